@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` and `make test`. Each creates the virtual
+# environment on first use and installs everything pinned (see constraints.txt).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.mixprec-installed
+
+.PHONY: demo test test-fast lint bench install clean
+
+$(STAMP): pyproject.toml constraints.txt plugins/mixprec-numpy/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch==2.13.0 must be named exactly: a loose range pulls the CUDA build.
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' -e ./plugins/mixprec-numpy
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check mixprec backends plugins tests benchmarks examples
+	$(BIN)/ruff format --check mixprec backends plugins tests benchmarks examples
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

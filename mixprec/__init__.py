@@ -1,0 +1,109 @@
+"""mixprec: a framework-agnostic precision policy engine for FP16/BF16 training.
+
+One :class:`Policy` says which ops run in float16/bfloat16 and which stay float32, how the
+loss is scaled and where float32 master weights live. Backends make it concrete:
+``mixprec.torch.wrap(model, optimizer, policy="O2")`` for PyTorch,
+``mixprec.mxnet.Trainer(net, "adam", policy="O2-bf16")`` for Gluon, and third-party plugins
+registered under the ``mixprec`` entry-point group for everything else.
+
+Names are loaded on first use, so ``import mixprec`` stays cheap and never imports a
+framework. Extension points: :mod:`mixprec.hookspecs` (the hooks) and
+:mod:`mixprec.testing` (the conformance suite).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from mixprec.errors import (
+    BackendNotAvailable,
+    CheckpointError,
+    LossScaleError,
+    MixprecError,
+    MixprecWarning,
+    PluginError,
+    PolicyError,
+    StepOrderError,
+    UnsupportedDtypeError,
+    WrapError,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first attribute access)
+_LAZY: dict[str, str] = {
+    "canonical_dtype": "mixprec.dtypes",
+    "format_info": "mixprec.dtypes",
+    "FormatInfo": "mixprec.dtypes",
+    "OP_FAMILIES": "mixprec.ops",
+    "Policy": "mixprec.policy",
+    "OpRules": "mixprec.policy",
+    "ModuleRule": "mixprec.policy",
+    "Decision": "mixprec.policy",
+    "get_policy": "mixprec.presets",
+    "preset_names": "mixprec.presets",
+    "load_toml": "mixprec.presets",
+    "resolve_auto": "mixprec.presets",
+    "NoScale": "mixprec.loss_scale",
+    "StaticScale": "mixprec.loss_scale",
+    "DynamicScale": "mixprec.loss_scale",
+    "ScaleEvent": "mixprec.events",
+    "EventLog": "mixprec.events",
+    "LossScaler": "mixprec.scaler",
+    "StepTracker": "mixprec.step",
+    "Stage": "mixprec.step",
+    "MasterWeights": "mixprec.masters",
+    "hookimpl": "mixprec.hookspecs",
+    "BackendInfo": "mixprec.backend",
+    "Capabilities": "mixprec.backend",
+    "DeviceCapability": "mixprec.backend",
+    "load_backend": "mixprec.backend",
+    "list_backends": "mixprec.plugins",
+}
+
+__all__ = [
+    "BackendNotAvailable",
+    "CheckpointError",
+    "LossScaleError",
+    "MixprecError",
+    "MixprecWarning",
+    "PluginError",
+    "PolicyError",
+    "StepOrderError",
+    "UnsupportedDtypeError",
+    "WrapError",
+    *_LAZY,
+]
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from mixprec.backend import BackendInfo, Capabilities, DeviceCapability, load_backend
+    from mixprec.dtypes import FormatInfo, canonical_dtype, format_info
+    from mixprec.events import EventLog, ScaleEvent
+    from mixprec.hookspecs import hookimpl
+    from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
+    from mixprec.masters import MasterWeights
+    from mixprec.ops import OP_FAMILIES
+    from mixprec.plugins import list_backends
+    from mixprec.policy import Decision, ModuleRule, OpRules, Policy
+    from mixprec.presets import get_policy, load_toml, preset_names, resolve_auto
+    from mixprec.scaler import LossScaler
+    from mixprec.step import Stage, StepTracker
+
+
+_SUBMODULES = ("torch", "mxnet", "testing")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # the facades import their framework only when used
+        return importlib.import_module(f"mixprec.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

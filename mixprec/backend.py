@@ -1,0 +1,128 @@
+"""What a backend declares about itself, and how mixprec loads one.
+
+A backend is two modules. Its *plugin* module (registered under the ``mixprec`` entry-point
+group) answers :func:`mixprec.hookspecs.mixprec_register_backends` with a
+:class:`BackendInfo` and never imports the framework. Its *api* module, named by
+``BackendInfo.api_module``, holds the user API and imports the framework; mixprec imports it
+on first use through :func:`load_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+
+from mixprec.errors import BackendNotAvailable, PluginError
+
+__all__ = ["BackendInfo", "Capabilities", "DeviceCapability", "load_backend"]
+
+# Low-precision dtypes in the order ``auto`` prefers them: bfloat16 needs no loss scaling.
+_LOWP_PREFERENCE = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A backend as its plugin declares it, before the framework is imported.
+
+    :param name: the backend's name, used in ``mixprec.<name>`` and ``mixprec backends``.
+    :param framework: the distribution that provides the framework (for its version and for
+        the "not installed" message), such as ``"torch"``.
+    :param api_module: import path of the module holding the user API, such as
+        ``"mixprec_torch"``. It must define ``capabilities()`` and ``conformance_adapter()``.
+    :param extra: the pip extra of ``mixprec`` that installs the framework.
+    :param description: one line shown by ``mixprec backends``.
+    """
+
+    name: str
+    framework: str
+    api_module: str
+    extra: str = ""
+    description: str = ""
+
+    def install_hint(self) -> str:
+        """The pip command that installs what this backend needs."""
+        if self.extra:
+            return f"pip install 'mixprec[{self.extra}]'"
+        return f"pip install {self.framework}"
+
+
+@dataclass(frozen=True)
+class DeviceCapability:
+    """What one device can compute in.
+
+    :param device: the device as the framework names it: ``"cpu"``, ``"cuda:0"``, ``"gpu(0)"``.
+    :param compute_dtypes: canonical dtypes its matrix multiply and convolution run in.
+    :param fast_dtypes: low-precision dtypes that run faster than float32 on it.
+    """
+
+    device: str
+    compute_dtypes: tuple[str, ...]
+    fast_dtypes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line such as ``cpu: float32, bfloat16 (fast: bfloat16)``."""
+        fast = f" (fast: {', '.join(self.fast_dtypes)})" if self.fast_dtypes else ""
+        return f"{self.device}: {', '.join(self.compute_dtypes)}{fast}"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """A backend's capabilities, as reported by its api module's ``capabilities()``."""
+
+    backend: str
+    framework_version: str
+    devices: tuple[DeviceCapability, ...]
+
+    def device(self, device: str) -> DeviceCapability:
+        """The entry for ``device``; a bare ``"cuda"`` or ``"gpu"`` matches its first device."""
+        for cap in self.devices:
+            if cap.device == device or cap.device.split(":")[0].split("(")[0] == device:
+                return cap
+        known = ", ".join(cap.device for cap in self.devices) or "none"
+        raise BackendNotAvailable(
+            f"The {self.backend} backend reports no device {device!r} (devices here: {known})."
+        )
+
+    def preferred_lowp(self, device: str) -> str | None:
+        """The low-precision dtype ``auto`` should pick on ``device``, or None for float32."""
+        fast = self.device(device).fast_dtypes
+        return next((dtype for dtype in _LOWP_PREFERENCE if dtype in fast), None)
+
+
+_loaded: dict[str, ModuleType] = {}
+
+
+def load_backend(name: str) -> ModuleType:
+    """Import and return the api module of backend ``name``.
+
+    :raises BackendNotAvailable: no plugin declares ``name``, or its framework is missing
+        (the message names the pip extra to install).
+    :raises PluginError: two plugins claim ``name``, or the api module fails to import.
+    """
+    module = _loaded.get(name)
+    if module is not None:
+        return module
+    from mixprec.plugins import backend_info
+
+    info = backend_info(name)
+    if importlib.util.find_spec(info.framework) is None:
+        raise BackendNotAvailable(
+            f"The {name!r} backend needs {info.framework}, which is not installed. "
+            f"Install it with: {info.install_hint()}"
+        )
+    try:
+        module = importlib.import_module(info.api_module)
+    except ImportError as exc:
+        raise BackendNotAvailable(
+            f"The {name!r} backend could not import {info.api_module!r}: {exc}. "
+            f"Reinstall it with: {info.install_hint()}"
+        ) from exc
+    except Exception as exc:
+        raise PluginError(
+            f"The {name!r} backend's module {info.api_module!r} failed while importing: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    _loaded[name] = module
+    return module

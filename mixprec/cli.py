@@ -1,0 +1,136 @@
+"""The ``mixprec`` console script.
+
+Subcommands:
+  ``mixprec policies``               each preset's roles and op lists
+  ``mixprec explain POLICY OP``      which rule decides an op's dtype, and why
+  ``mixprec backends``               installed backends, versions, capabilities, broken plugins
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from mixprec.errors import MixprecError
+
+if TYPE_CHECKING:
+    from mixprec.policy import Policy
+
+__all__ = ["main"]
+
+_ROLES = ("param", "compute", "output", "master", "reduce")
+_LISTS = ("lowp", "fp32", "promote", "banned")
+
+
+def describe_policy(name: str, policy: Policy, *, lists: bool = True) -> str:
+    """A policy as a short block of text: its roles, loss scale, op lists and module rules."""
+    lines = [f"{name}"]
+    roles = ", ".join(f"{role}={getattr(policy, role) or '-'}" for role in _ROLES)
+    lines.append(f"  {roles}")
+    lines.append(f"  loss_scale={_describe_scale(policy)}")
+    if lists:
+        for list_name in _LISTS:
+            ops = sorted(getattr(policy.ops, list_name))
+            if ops:
+                lines.append(f"  {list_name:<8} {', '.join(ops)}")
+    for rule in policy.modules:
+        target = rule.dtype or ", ".join(f"{op}->{where}" for op, where in rule.ops)
+        lines.append(f"  module   {rule.match}:{rule.pattern} -> {target}")
+    return "\n".join(lines)
+
+
+def _describe_scale(policy: Policy) -> str:
+    scale = policy.loss_scale
+    return type(scale).__name__ if type(scale).__name__ == "NoScale" else repr(scale)
+
+
+def _cmd_policies(args: argparse.Namespace) -> int:
+    from mixprec.presets import builtin_preset_names, get_policy
+
+    names = args.names or builtin_preset_names()
+    blocks = [describe_policy(name, get_policy(name), lists=not args.brief) for name in names]
+    print("\n\n".join(blocks))
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from mixprec.presets import get_policy
+
+    policy = get_policy(args.policy)
+    inputs = tuple(args.inputs.split(",")) if args.inputs else ()
+    print(policy.explain(args.op, inputs, module=args.module, module_class=args.module_class))
+    return 0
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    from mixprec.backend import load_backend
+    from mixprec.plugins import broken_plugins, list_backends
+
+    rows = list_backends()
+    if not rows:
+        print("no backends installed (pip install 'mixprec[torch]' or 'mixprec[mxnet]')")
+    for row in rows:
+        version = row.framework_version or "not installed"
+        print(f"{row.info.name:<8} {row.info.framework} {version}  (plugin {row.plugin})")
+        if row.info.description:
+            print(f"         {row.info.description}")
+        if row.error:
+            print(f"         unavailable: {row.error}")
+            continue
+        if args.no_capabilities:
+            continue
+        try:
+            caps = load_backend(row.info.name).capabilities()
+        except Exception as exc:  # report, and keep listing the other backends
+            print(f"         capabilities failed: {type(exc).__name__}: {exc}")
+            continue
+        for device in caps.devices:
+            print(f"         {device.describe()}")
+    broken = broken_plugins()
+    if broken:
+        print("\nbroken plugins:")
+        for name, error in sorted(broken.items()):
+            print(f"  {name}: {error}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``mixprec`` command."""
+    parser = argparse.ArgumentParser(prog="mixprec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    policies = sub.add_parser("policies", help="print each preset's roles and op lists")
+    policies.add_argument("names", nargs="*", help="presets to show (default: all built-ins)")
+    policies.add_argument("--brief", action="store_true", help="roles only, no op lists")
+    policies.set_defaults(run=_cmd_policies)
+
+    explain = sub.add_parser("explain", help="show which rule decides an op's dtype")
+    explain.add_argument("policy", help="a preset name, key grammar or .toml file")
+    explain.add_argument("op", help="a neutral op name such as softmax or linear")
+    explain.add_argument("--inputs", help="comma-separated input dtypes, e.g. float16,float32")
+    explain.add_argument("--module", help="the module's qualified name, e.g. encoder.0.attn")
+    explain.add_argument("--module-class", help="the module's class name, e.g. BatchNorm2d")
+    explain.set_defaults(run=_cmd_explain)
+
+    backends = sub.add_parser("backends", help="list installed backends and broken plugins")
+    backends.add_argument(
+        "--no-capabilities", action="store_true", help="do not import frameworks to probe devices"
+    )
+    backends.set_defaults(run=_cmd_backends)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mixprec`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except MixprecError as exc:
+        print(f"mixprec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

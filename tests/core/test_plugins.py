@@ -1,0 +1,136 @@
+"""The plugin manager: registration, blocking, duplicates and lazy backend loading."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import mixprec
+from mixprec import plugins
+from mixprec.backend import BackendInfo, Capabilities, DeviceCapability, load_backend
+from mixprec.errors import BackendNotAvailable, PluginError
+from mixprec.hookspecs import hookimpl
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugins() -> Iterator[None]:
+    plugins.reset()
+    yield
+    plugins.reset()
+
+
+class FakeBackendPlugin:
+    def __init__(self, name: str, framework: str = "json") -> None:
+        self.info = BackendInfo(name=name, framework=framework, api_module="json", extra=name)
+
+    @hookimpl
+    def mixprec_register_backends(self) -> list[BackendInfo]:
+        return [self.info]
+
+
+def test_builtin_backends_are_declared_without_importing_frameworks() -> None:
+    names = {row.info.name for row in plugins.list_backends()}
+    assert {"torch", "mxnet"} <= names
+
+
+def test_in_process_backend_loads_its_api_module() -> None:
+    plugins.register(FakeBackendPlugin("fake"), name="fake-plugin")
+    assert load_backend("fake").__name__ == "json"
+
+
+def test_two_plugins_claiming_one_backend_is_an_error() -> None:
+    plugins.register(FakeBackendPlugin("twin"), name="first")
+    plugins.register(FakeBackendPlugin("twin"), name="second")
+    rows = [row for row in plugins.list_backends() if row.info.name == "twin"]
+    assert len(rows) == 2 and all("claimed by plugins" in (row.error or "") for row in rows)
+    with pytest.raises(PluginError, match="claimed by several plugins"):
+        load_backend("twin")
+
+
+def test_missing_framework_names_the_extra() -> None:
+    plugins.register(FakeBackendPlugin("ghost", framework="no_such_framework_xyz"), name="ghost")
+    with pytest.raises(BackendNotAvailable, match=r"pip install 'mixprec\[ghost\]'"):
+        load_backend("ghost")
+
+
+def test_unknown_backend_lists_the_installed_ones() -> None:
+    with pytest.raises(BackendNotAvailable, match="installed backends: .*torch"):
+        load_backend("jaxx")
+
+
+def test_plugin_with_wrong_hook_signature_is_reported_by_name() -> None:
+    class WrongSignature:
+        @hookimpl
+        def mixprec_step_skipped(self, step: int, scale_value: float) -> None: ...
+
+    with pytest.raises(PluginError, match="wrong-sig"):
+        plugins.register(WrongSignature(), name="wrong-sig")
+    assert "wrong-sig" in plugins.broken_plugins()
+    assert {"torch", "mxnet"} <= {row.info.name for row in plugins.list_backends()}
+
+
+def test_plugin_with_unknown_hook_is_reported() -> None:
+    class UnknownHook:
+        @hookimpl
+        def mixprec_no_such_hook(self) -> None: ...
+
+    with pytest.raises(PluginError, match="unknown-hook"):
+        plugins.register(UnknownHook(), name="unknown-hook")
+
+
+def test_observer_hooks_receive_calls() -> None:
+    seen: list[tuple[int, float]] = []
+
+    class Observer:
+        @hookimpl
+        def mixprec_step_skipped(self, step: int, loss_scale: float) -> None:
+            seen.append((step, loss_scale))
+
+    plugins.register(Observer(), name="observer")
+    plugins.emit_step_skipped(3, 1024.0)
+    assert seen == [(3, 1024.0)]
+
+
+def test_disable_env_blocks_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugins.DISABLE_ENV, "mxnet")
+    names = {row.info.name for row in plugins.list_backends()}
+    assert "mxnet" not in names and "torch" in names
+    with pytest.raises(BackendNotAvailable, match="no backend named 'mxnet'"):
+        load_backend("mxnet")
+
+
+def test_capabilities_prefer_bfloat16() -> None:
+    caps = Capabilities(
+        "x",
+        "1",
+        (
+            DeviceCapability("cpu", ("float32", "bfloat16"), ("bfloat16",)),
+            DeviceCapability("cuda:0", ("float32", "float16", "bfloat16"), ("float16",)),
+        ),
+    )
+    assert caps.preferred_lowp("cpu") == "bfloat16"
+    assert caps.preferred_lowp("cuda") == "float16"
+    with pytest.raises(BackendNotAvailable, match="devices here: cpu, cuda:0"):
+        caps.device("tpu")
+
+
+def test_lazy_names_resolve() -> None:
+    assert mixprec.hookimpl is hookimpl
+    with pytest.raises(AttributeError):
+        mixprec.no_such_name  # noqa: B018
+
+
+def test_import_mixprec_does_not_import_frameworks() -> None:
+    code = (
+        "import sys, mixprec\n"
+        "p = mixprec.get_policy('O2-bf16')\n"
+        "assert str(p)\n"
+        "rows = mixprec.list_backends()\n"
+        "assert {'torch', 'mxnet'} <= {r.info.name for r in rows}, rows\n"
+        "heavy = [m for m in ('torch', 'mxnet', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
