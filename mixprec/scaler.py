@@ -1,0 +1,124 @@
+"""LossScaler: the one mutable holder of a loss-scale state.
+
+The loss-scale states in :mod:`mixprec.loss_scale` are immutable values; a backend needs
+one place that holds the current state, counts steps and skips, records events and tells
+plugins. Optimizers that must skip together (a GAN's generator and discriminator, several
+losses of one model) share one :class:`LossScaler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mixprec.errors import CheckpointError
+from mixprec.events import EventLog
+from mixprec.loss_scale import LossScale, loss_scale_from_state_dict
+
+__all__ = ["LossScaler"]
+
+_COUNTERS = ("steps", "skipped_steps", "last_step_skipped")
+
+
+class LossScaler:
+    """The current loss scale of a group of optimizers, with step and skip counters.
+
+    A backend's step does, once per iteration of the group: multiply the loss by
+    :attr:`scale` (only when :attr:`enabled`), unscale and check the gradients, reduce
+    ``found_inf`` across ranks, call :meth:`update` and skip the optimizer step when it
+    returns True. Events go to :attr:`events` and to the ``mixprec_scale_event`` and
+    ``mixprec_step_skipped`` plugin hooks.
+    """
+
+    def __init__(self, config: LossScale, events: EventLog | None = None) -> None:
+        self.state: LossScale = config
+        self.events: EventLog = EventLog() if events is None else events
+        self.steps = 0
+        """Updates so far, skipped ones included (the 0-based index of the next step)."""
+        self.skipped_steps = 0
+        """How many of those steps were skipped because gradients were not finite."""
+        self.last_step_skipped = False
+        """Whether the latest update skipped its step."""
+
+    @property
+    def scale(self) -> float:
+        """The scale the current step multiplies the loss by."""
+        return self.state.scale
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the backend must scale the loss and unscale gradients (False for NoScale).
+
+        Overflow checks are still wanted when it is False: an overflow skips the step.
+        """
+        return self.state.enabled
+
+    def update(self, found_inf: bool) -> bool:
+        """Advance the state by one step; return True when that step must be skipped.
+
+        ``found_inf`` must already be reduced across every rank and every optimizer of the
+        group, so they all skip together. A :class:`~mixprec.errors.LossScaleError` from a
+        ``DynamicScale(on_floor="raise")`` at its floor propagates and leaves the scaler as
+        it was before the call.
+        """
+        step = self.steps
+        ran_with = self.state.scale
+        result = self.state.update(found_inf)
+        self.state = result.state
+        self.steps = step + 1
+        skipped = bool(found_inf)
+        self.last_step_skipped = skipped
+        if skipped:
+            self.skipped_steps += 1
+        if result.events:
+            # Imported on the first event only: plugin machinery stays off the hot path,
+            # and these functions do nothing unless a plugin implements the hook.
+            from mixprec.plugins import emit_scale_event, emit_step_skipped
+
+            for event in result.events:
+                self.events.record(step, event)
+                emit_scale_event(event, step)
+            if skipped:
+                emit_step_skipped(step, ran_with)
+        return skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-scale state and the counters, as plain Python values."""
+        return {
+            "loss_scale": self.state.state_dict(),
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "last_step_skipped": self.last_step_skipped,
+        }
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved, exactly (the event log is not saved).
+
+        The saved state replaces the configured one, so a resumed run continues with the
+        scale, counters and configuration it was saved with. Loading a different kind of
+        loss scale (say a dynamic scale into a scaler configured without scaling) raises
+        :class:`~mixprec.errors.CheckpointError`.
+        """
+        missing = [key for key in ("loss_scale", *_COUNTERS) if key not in d]
+        if missing:
+            raise CheckpointError(
+                f"loss-scaler state is missing {missing}; pass what LossScaler.state_dict() "
+                "returned (mixprec saves it inside the optimizer's state dict)"
+            )
+        state = loss_scale_from_state_dict(d["loss_scale"])
+        if state.kind != self.state.kind:
+            raise CheckpointError(
+                f"the checkpoint's loss scale is {state.kind!r} but this scaler was configured "
+                f"with {self.state.kind!r}; wrap the model with the policy the checkpoint was "
+                "saved with (its loss_scale setting) before loading"
+            )
+        self.state = state
+        self.steps = int(d["steps"])
+        self.skipped_steps = int(d["skipped_steps"])
+        self.last_step_skipped = bool(d["last_step_skipped"])
+
+    def __repr__(self) -> str:
+        return (
+            f"LossScaler(scale={self.scale:g}, steps={self.steps}, "
+            f"skipped_steps={self.skipped_steps}, state={self.state!r})"
+        )

@@ -1,0 +1,350 @@
+"""The loss-scale state machines against independent references."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import fields
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixprec.errors import CheckpointError, LossScaleError, MixprecWarning, PolicyError
+from mixprec.events import ScaleEvent
+from mixprec.loss_scale import (
+    DynamicScale,
+    LossScale,
+    NoScale,
+    StaticScale,
+    loss_scale_from_state_dict,
+)
+
+overflows = st.lists(st.booleans(), max_size=300)
+# sequences that overflow in bursts as well as at random
+bursty = st.lists(
+    st.tuples(st.booleans(), st.integers(1, 12)).map(lambda t: [t[0]] * t[1]), max_size=40
+).map(lambda runs: [x for run in runs for x in run])
+
+
+def run(state: LossScale, seq: list[bool]) -> tuple[list[float], list[tuple[str, ...]]]:
+    """The scale used on each step after the first, and each step's event kinds."""
+    scales, kinds = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MixprecWarning)
+        for found_inf in seq:
+            state, events = state.update(found_inf)
+            scales.append(state.scale)
+            kinds.append(tuple(e.kind for e in events))
+    return scales, kinds
+
+
+def megatron_reference(
+    seq: list[bool],
+    *,
+    init: float,
+    growth: float,
+    backoff: float,
+    interval: int,
+    hysteresis: int,
+    lo: float,
+    hi: float,
+) -> tuple[list[float], list[tuple[str, ...]]]:
+    """Megatron-LM's DynamicGradScaler.update, transcribed, with a ceiling and floor events."""
+    scale, growth_tracker, hysteresis_tracker = init, 0, hysteresis
+    scales, kinds = [], []
+    for found_inf in seq:
+        before = scale
+        if found_inf:
+            growth_tracker = 0
+            hysteresis_tracker -= 1
+            kind: tuple[str, ...] = ("skip",)
+            if hysteresis_tracker <= 0:
+                if scale * backoff < lo:
+                    kind, scale = ("skip", "floor"), lo
+                else:
+                    kind, scale = ("skip", "backoff"), scale * backoff
+        else:
+            growth_tracker += 1
+            kind = ()
+            if growth_tracker == interval:
+                growth_tracker = 0
+                hysteresis_tracker = hysteresis
+                scale = min(scale * growth, hi)
+                kind = ("growth",) if scale != before else ()
+        scales.append(scale)
+        kinds.append(kind)
+    return scales, kinds
+
+
+def grad_scaler_reference(
+    seq: list[bool], *, init: float, growth: float, backoff: float, interval: int
+) -> list[float]:
+    """torch.amp.GradScaler's update (the _amp_update_scale_ kernel), transcribed."""
+    scale, tracker, out = init, 0, []
+    for found_inf in seq:
+        if found_inf:
+            scale, tracker = scale * backoff, 0
+        else:
+            tracker += 1
+            if tracker == interval:
+                if math.isfinite(scale * growth):
+                    scale *= growth
+                tracker = 0
+        out.append(scale)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seq=st.one_of(overflows, bursty),
+    init_exp=st.integers(0, 20),
+    growth=st.sampled_from([2.0, 4.0, 1.5]),
+    backoff=st.sampled_from([0.5, 0.25, 0.75]),
+    interval=st.integers(1, 6),
+    hysteresis=st.integers(1, 4),
+    lo_exp=st.integers(-4, 8),
+    hi_exp=st.integers(20, 26),
+)
+def test_dynamic_matches_megatron_reference(
+    seq, init_exp, growth, backoff, interval, hysteresis, lo_exp, hi_exp
+):
+    lo = 2.0 ** min(lo_exp, init_exp)
+    hi = 2.0**hi_exp
+    state = DynamicScale(
+        init=2.0**init_exp,
+        growth=growth,
+        backoff=backoff,
+        interval=interval,
+        hysteresis=hysteresis,
+        min=lo,
+        max=hi,
+    )
+    expected = megatron_reference(
+        seq,
+        init=2.0**init_exp,
+        growth=growth,
+        backoff=backoff,
+        interval=interval,
+        hysteresis=hysteresis,
+        lo=lo,
+        hi=hi,
+    )
+    assert run(state, seq) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seq=st.one_of(overflows, bursty),
+    growth=st.sampled_from([2.0, 4.0, 1.5, 1.001]),
+    backoff=st.sampled_from([0.5, 0.25, 0.75, 0.999]),
+    interval=st.integers(1, 50),
+)
+def test_hysteresis_one_matches_grad_scaler(seq, growth, backoff, interval):
+    # floor and ceiling far out of reach: min below anything 300 backoffs reach, no max
+    state = DynamicScale(
+        growth=growth, backoff=backoff, interval=interval, min=2.0**-1000, max=math.inf
+    )
+    scales, _ = run(state, seq)
+    expected = grad_scaler_reference(
+        seq, init=2.0**16, growth=growth, backoff=backoff, interval=interval
+    )
+    assert scales == expected
+
+
+@pytest.mark.torch
+@settings(max_examples=50, deadline=None)
+@given(seq=st.lists(st.booleans(), max_size=100), interval=st.integers(1, 5))
+def test_hysteresis_one_matches_torch_kernel(seq, interval):
+    torch = pytest.importorskip("torch")
+    scale = torch.tensor([2.0**16])
+    tracker = torch.tensor([0], dtype=torch.int32)
+    expected = []
+    for found_inf in seq:
+        torch._amp_update_scale_(
+            scale, tracker, torch.tensor([float(found_inf)]), 2.0, 0.5, interval
+        )
+        expected.append(scale.item())
+    scales, _ = run(DynamicScale(interval=interval, min=2.0**-100, max=math.inf), seq)
+    assert scales == expected
+
+
+def test_new_scale_is_used_on_the_very_next_step():
+    state = DynamicScale(init=8.0, interval=3)
+    state = state.update(False).state.update(False).state
+    assert state.scale == 8.0
+    grown = state.update(False)  # third finite step in a row
+    assert grown.state.scale == 16.0 and grown.state.good_steps == 0
+    assert grown.events == (ScaleEvent("growth", 8.0, 16.0),)
+    backed = grown.state.update(True)
+    assert backed.state.scale == 8.0
+    assert [e.kind for e in backed.events] == ["skip", "backoff"]
+
+
+def test_overflow_resets_the_growth_counter():
+    state = DynamicScale(init=8.0, interval=3)
+    for found_inf in (False, False, True, False, False):
+        state = state.update(found_inf).state
+    assert state.scale == 4.0 and state.good_steps == 2
+
+
+def test_hysteresis_tolerates_h_minus_1_overflows_and_refills_only_on_growth():
+    state = DynamicScale(init=64.0, interval=2, hysteresis=3)
+    scales, kinds = run(state, [True, True, True, True, False, True, False, False, True])
+    assert scales == [64.0, 64.0, 32.0, 16.0, 16.0, 8.0, 8.0, 16.0, 16.0]
+    assert kinds[:3] == [("skip",), ("skip",), ("skip", "backoff")]
+    assert kinds[7] == ("growth",) and kinds[8] == ("skip",)  # refilled by the growth
+
+
+def test_ceiling_caps_growth_without_an_event_once_reached():
+    state = DynamicScale(init=12.0, max=16.0, interval=1)
+    scales, kinds = run(state, [False, False])
+    assert scales == [16.0, 16.0]
+    assert kinds == [("growth",), ()]
+
+
+def test_floor_warns_once_per_hit_and_clamps():
+    state = DynamicScale(init=2.0, min=1.5)
+    with pytest.warns(MixprecWarning, match="forward pass") as caught:
+        update = state.update(True)
+    assert len(caught) == 1
+    assert update.state.scale == 1.5
+    assert update.events == (ScaleEvent("skip", 2.0, 1.5), ScaleEvent("floor", 2.0, 1.5))
+    with pytest.warns(MixprecWarning):
+        again = update.state.update(True)
+    assert again.state.scale == 1.5
+    assert [e.kind for e in again.events] == ["skip", "floor"]
+
+
+def test_floor_raise_names_the_cause_and_the_fix():
+    state = DynamicScale(init=1.0, on_floor="raise")
+    with pytest.raises(LossScaleError, match="forward pass") as err:
+        state.update(True)
+    assert "float32" in str(err.value) and "on_floor='warn'" in str(err.value)
+
+
+@pytest.mark.parametrize("state", [NoScale(), StaticScale(128.0)])
+def test_fixed_scales_skip_on_overflow_without_changing(state):
+    update = state.update(True)
+    assert update.state == state
+    assert update.events == (ScaleEvent("skip", state.scale, state.scale),)
+    assert state.update(False) == (state, ())
+
+
+def test_enabled():
+    assert not NoScale().enabled
+    assert StaticScale(1.0).enabled and DynamicScale().enabled
+    assert NoScale().scale == 1.0
+
+
+def test_running_fields_default_from_the_config():
+    state = DynamicScale(init=1024.0, hysteresis=3)
+    assert (state.scale, state.good_steps, state.overflows_left) == (1024.0, 0, 3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seq=st.lists(st.booleans(), min_size=1, max_size=40),
+    interval=st.integers(2, 9),
+    hysteresis=st.integers(1, 3),
+)
+def test_every_field_survives_state_dict_mid_interval(seq, interval, hysteresis):
+    config = DynamicScale(
+        init=2.0**10,
+        growth=3.0,
+        backoff=0.25,
+        interval=interval,
+        hysteresis=hysteresis,
+        min=0.5,
+        max=2.0**30,
+        on_floor="warn",
+    )
+    state = config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MixprecWarning)
+        for found_inf in seq:
+            state = state.update(found_inf).state
+    d = json.loads(json.dumps(state.state_dict()))  # what a checkpoint file would hold
+    restored = loss_scale_from_state_dict(d)
+    assert restored == state
+    for f in fields(DynamicScale):
+        assert getattr(restored, f.name) == getattr(state, f.name), f.name
+    assert set(d) == {"kind"} | {f.name for f in fields(DynamicScale)}
+    # and the restored state continues exactly like the original
+    assert run(restored, seq) == run(state, seq)
+
+
+def test_state_dict_covers_non_default_config_fields():
+    state = DynamicScale(
+        init=3.0, growth=1.5, backoff=0.9, interval=7, hysteresis=2, min=0.25, max=96.0,
+        on_floor="raise", scale=6.0, good_steps=5, overflows_left=1,
+    )  # fmt: skip
+    assert loss_scale_from_state_dict(state.state_dict()) == state
+
+
+@pytest.mark.parametrize("state", [NoScale(), StaticScale(4096.0), DynamicScale()])
+def test_every_kind_round_trips(state):
+    restored = loss_scale_from_state_dict(state.state_dict())
+    assert type(restored) is type(state) and restored == state
+
+
+def test_bad_state_dicts_raise_checkpoint_error():
+    with pytest.raises(CheckpointError, match="unknown loss-scale kind"):
+        loss_scale_from_state_dict({"kind": "adaptive"})
+    d = DynamicScale().state_dict()
+    del d["min"]
+    with pytest.raises(CheckpointError, match="missing \\['min'\\]"):
+        loss_scale_from_state_dict(d)
+    d = DynamicScale().state_dict() | {"good_steps": 5000}
+    with pytest.raises(CheckpointError, match="good_steps"):
+        loss_scale_from_state_dict(d)
+
+
+def test_fresh_resets_running_fields_and_keeps_the_config():
+    state = DynamicScale(init=64.0, interval=3, hysteresis=2)
+    for found_inf in (True, True, False, False):
+        state = state.update(found_inf).state
+    assert state != DynamicScale(init=64.0, interval=3, hysteresis=2)
+    assert state.fresh() == DynamicScale(init=64.0, interval=3, hysteresis=2)
+    assert state.config() == state.fresh()
+    assert StaticScale(8.0).fresh() == StaticScale(8.0) and NoScale().fresh() == NoScale()
+
+
+def test_states_are_hashable_values():
+    assert hash(DynamicScale()) == hash(DynamicScale())
+    assert len({NoScale(), NoScale(), StaticScale(2.0), StaticScale(2)}) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"growth": 1.0}, "growth must be > 1"),
+        ({"backoff": 1.0}, "backoff must be between 0 and 1"),
+        ({"backoff": 0.0}, "backoff must be a positive"),
+        ({"interval": 0}, "interval must be >= 1"),
+        ({"interval": 2.5}, "interval must be an integer"),
+        ({"hysteresis": 0}, "hysteresis must be >= 1"),
+        ({"min": 0.0}, "min must be a positive"),
+        ({"init": 2.0**30}, "min <= init <= max"),
+        ({"init": 0.5}, "min <= init <= max"),
+        ({"init": math.nan}, "init must be a positive finite"),
+        ({"on_floor": "ignore"}, "on_floor must be 'warn' or 'raise'"),
+        ({"scale": 2.0**30}, "outside"),
+        ({"overflows_left": 2}, "exceeds hysteresis"),
+    ],
+)
+def test_dynamic_rejects_bad_arguments_with_the_fix(kwargs, match):
+    with pytest.raises(PolicyError, match=match):
+        DynamicScale(**kwargs)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, "big"])
+def test_static_rejects_bad_scale(scale):
+    with pytest.raises(PolicyError, match="StaticScale"):
+        StaticScale(scale)
+
+
+def test_all_kinds_satisfy_the_protocol():
+    for state in (NoScale(), StaticScale(2.0), DynamicScale()):
+        assert isinstance(state, LossScale)
