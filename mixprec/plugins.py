@@ -14,10 +14,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pluggy
 
@@ -144,7 +144,7 @@ def _declared() -> list[tuple[str, BackendInfo]]:
     pairs: list[tuple[str, BackendInfo]] = []
     for impl in pm.hook.mixprec_register_backends.get_hookimpls():
         try:
-            infos = impl.function()
+            infos = cast("Sequence[BackendInfo]", impl.function())
         except Exception as exc:
             _broken[impl.plugin_name] = f"mixprec_register_backends failed: {exc}"
             continue
@@ -220,7 +220,8 @@ def plugin_presets() -> dict[str, Policy | Mapping[str, Any]]:
     pm = get_plugin_manager()
     for impl in pm.hook.mixprec_presets.get_hookimpls():
         try:
-            merged.update(impl.function())
+            presets = cast("Mapping[str, Policy | Mapping[str, Any]]", impl.function())
+            merged.update(presets)
         except BackendNotAvailable:
             continue  # that plugin's framework is missing: its presets are unavailable
     return merged

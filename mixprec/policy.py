@@ -1,0 +1,294 @@
+"""The precision policy: which dtype each op, module and tensor role uses.
+
+A :class:`Policy` is a frozen, hashable value. It names a dtype for each *role* (``param``,
+``compute``, ``output``, ``master``, ``reduce``), a loss-scale configuration, global op
+lists (:class:`OpRules`) and module rules (:class:`ModuleRule`). Backends ask it one
+question per op at trace time, :meth:`Policy.decide`, and :meth:`Policy.explain` prints how
+the answer came about.
+
+How an op's dtype is decided, first match wins:
+
+1. an op rule inside a matching module rule (a path rule's before a class rule's);
+2. the dtype a matching *path* rule pins;
+3. the dtype a matching *class* rule pins;
+4. the global op lists: ``lowp`` → ``compute``, ``fp32`` → float32, ``promote`` → the
+   widest floating input, ``passthrough`` (and ops in no list) → the first floating input
+   (``param`` when there is none), ``banned`` → :class:`PolicyError` with advice.
+
+Two rules of the same step that match and disagree are ambiguous: :class:`PolicyError`
+names both. The chain itself lives in :mod:`mixprec.decision`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mixprec.decision import Decision, consult, pinned_dtype, winner
+from mixprec.decision import explain as explain_chain
+from mixprec.dtypes import POLICY_DTYPES, canonical_dtype, holds
+from mixprec.errors import PolicyError
+from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
+from mixprec.rules import LIST_NAMES, ListName, ModuleRule, OpRules, with_rule
+
+__all__ = [
+    "LIST_NAMES",
+    "Decision",
+    "ListName",
+    "LossScaleConfig",
+    "ModuleRule",
+    "OpRules",
+    "Policy",
+]
+
+LossScaleConfig = NoScale | StaticScale | DynamicScale
+_CACHE_LIMIT = 1 << 16
+
+
+def _role_dtype(role: str, value: object) -> str:
+    dtype = canonical_dtype(value)
+    if dtype not in POLICY_DTYPES:
+        raise PolicyError(
+            f"{role}={value!r} is not a dtype a policy can use; choose one of "
+            f"{', '.join(POLICY_DTYPES)}"
+        )
+    return dtype
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What runs in which precision, how the loss is scaled, and where masters live.
+
+    Build one with :func:`mixprec.get_policy` (``"O2"``, ``"bf16-mixed"``, a key-grammar
+    string, a dict or a TOML file). Fields:
+
+    - ``param``: dtype of the weights the forward pass reads;
+    - ``compute``: dtype of low-precision ops (``"auto"`` until a backend resolves it);
+    - ``output``: dtype of the model's outputs;
+    - ``master``: dtype of the optimizer's copy of the weights, or None for no copy;
+    - ``reduce``: dtype of gradient communication;
+    - ``loss_scale``: :class:`~mixprec.NoScale`, :class:`~mixprec.StaticScale` or
+      :class:`~mixprec.DynamicScale` (its configuration only: it is stored reset);
+    - ``ops``: the global :class:`OpRules`; ``modules``: the :class:`ModuleRule` s;
+    - ``name``: the preset it came from, for display only (not compared).
+
+    :raises PolicyError: an unknown dtype, a master copy that is pointless (same dtype as
+        ``param``) or narrower than ``param``, or two module rules for the same pattern.
+    """
+
+    param: str
+    compute: str
+    output: str
+    master: str | None
+    reduce: str
+    loss_scale: LossScaleConfig
+    ops: OpRules
+    modules: tuple[ModuleRule, ...]
+    name: str | None = field(default=None, compare=False)
+    _decisions: dict[tuple[Any, ...], Decision] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        for role in ("param", "output", "reduce"):
+            set_(self, role, _role_dtype(role, getattr(self, role)))
+        if self.compute != "auto":
+            set_(self, "compute", _role_dtype("compute", self.compute))
+        master = self.master
+        if isinstance(master, str) and master.lower() == "none":
+            master = None
+        if master is not None:
+            master = _role_dtype("master", master)
+            if master == self.param:
+                raise PolicyError(
+                    f"master={master} with param={self.param} is pointless: the params "
+                    "already are their own master copy. Set master=None, or use low-precision "
+                    f"params (param='bfloat16' or 'float16') with master='{master}'"
+                )
+            if not holds(master, self.param):
+                raise PolicyError(
+                    f"master={master} is narrower than param={self.param}: a master copy must "
+                    f"hold every param value exactly. Use master='float32'"
+                )
+        set_(self, "master", master)
+        if not isinstance(self.loss_scale, NoScale | StaticScale | DynamicScale):
+            raise PolicyError(
+                f"loss_scale must be NoScale(), StaticScale(s) or DynamicScale(...), got "
+                f"{self.loss_scale!r}; get_policy(..., loss_scale='dynamic') parses strings"
+            )
+        set_(self, "loss_scale", self.loss_scale.fresh())
+        if not isinstance(self.ops, OpRules):
+            raise PolicyError(f"ops must be an OpRules, got {type(self.ops).__name__}")
+        modules = tuple(self.modules)
+        seen: dict[tuple[str, str], ModuleRule] = {}
+        for rule in modules:
+            if not isinstance(rule, ModuleRule):
+                raise PolicyError(f"modules must hold ModuleRule objects, got {rule!r}")
+            if rule.key in seen:
+                raise PolicyError(
+                    f"two module rules for the same pattern: {seen[rule.key]} and {rule}; "
+                    "keep one (with_module replaces the rule for a pattern)"
+                )
+            seen[rule.key] = rule
+        set_(self, "modules", modules)
+
+    # ------------------------------------------------------------------ deciding
+
+    def decide(
+        self,
+        op: str,
+        input_dtypes: Iterable[str] = (),
+        module: str | None = None,
+        module_class: str | Sequence[str] | None = None,
+    ) -> Decision:
+        """The dtype ``op`` runs in, and the rule that chose it.
+
+        :param op: a neutral op family or a ``"<backend>:<native>"`` name.
+        :param input_dtypes: the dtypes of the op's inputs; non-floating ones are ignored.
+        :param module: the qualified name of the module the op runs in.
+        :param module_class: its class name, or its class names along the MRO.
+        :raises PolicyError: the op is unknown or banned, a module rule match is ambiguous,
+            or the policy is still ``auto``.
+
+        Answers are cached per policy, so backends may call this for every op they trace.
+        """
+        key = (op, tuple(input_dtypes), module, _classes(module_class))
+        try:
+            return self._decisions[key]
+        except KeyError:
+            pass
+        outcome = winner(consult(self, *key))
+        if isinstance(outcome, PolicyError):
+            raise outcome
+        if len(self._decisions) >= _CACHE_LIMIT:
+            self._decisions.clear()
+        self._decisions[key] = outcome
+        return outcome
+
+    def explain(
+        self,
+        op: str,
+        input_dtypes: Iterable[str] = (),
+        module: str | None = None,
+        module_class: str | Sequence[str] | None = None,
+    ) -> str:
+        """The chain of rules :meth:`decide` consults for this op, and which one wins."""
+        return explain_chain(self, op, tuple(input_dtypes), module, _classes(module_class))
+
+    # ------------------------------------------------------------------ modules
+
+    def module_dtype(
+        self, module: str | None, module_class: str | Sequence[str] | None
+    ) -> str | None:
+        """The dtype a module rule pins this module to (path rules first), or None."""
+        return pinned_dtype(self, module, _classes(module_class))
+
+    def param_dtype_for(self, module: str | None, module_class: str | Sequence[str] | None) -> str:
+        """The dtype of this module's own params: the pinned dtype, else ``param``."""
+        return self.module_dtype(module, module_class) or self.param
+
+    # ------------------------------------------------------------------ editing
+
+    def with_ops(
+        self,
+        *,
+        lowp: Iterable[str] = (),
+        fp32: Iterable[str] = (),
+        promote: Iterable[str] = (),
+        passthrough: Iterable[str] = (),
+        banned: Iterable[str] = (),
+    ) -> Policy:
+        """A copy with ops moved between the global lists (each named op leaves its old one)."""
+        lists = dict(lowp=lowp, fp32=fp32, promote=promote, passthrough=passthrough, banned=banned)
+        given = {name: ops for name, ops in lists.items() if ops}
+        return dataclasses.replace(self, ops=self.ops.edited(**given), name=None)
+
+    def with_module(
+        self,
+        pattern: str,
+        dtype: str | None = None,
+        *,
+        match: Literal["class", "path"] = "class",
+        ops: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+    ) -> Policy:
+        """A copy with a module rule added, or replacing the rule for the same pattern.
+
+        ``policy.with_module("*LayerNorm*", "float32")`` pins every LayerNorm;
+        ``policy.with_module("decoder.*", match="path", ops={"softmax": "fp32"})`` keeps
+        softmax in float32 inside the decoder only.
+        """
+        rule = ModuleRule(match, pattern, dtype, ops or ())
+        return dataclasses.replace(self, modules=with_rule(self.modules, rule), name=None)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def casts_ops(self) -> bool:
+        """True when some op rule casts (O1-style); False when every op passes through."""
+        casting = ("lowp", "fp32", "promote")
+        return any(getattr(self.ops, n) for n in casting) or any(
+            lst in casting for rule in self.modules for _, lst in rule.ops
+        )
+
+    @property
+    def uses_masters(self) -> bool:
+        """True when the optimizer keeps a master copy of the weights."""
+        return self.master is not None
+
+    @property
+    def is_resolved(self) -> bool:
+        """False while ``compute`` is ``"auto"`` (see :func:`mixprec.resolve_auto`)."""
+        return self.compute != "auto"
+
+    @property
+    def label(self) -> str:
+        """The policy's name for messages: its preset name, or its key-grammar spec."""
+        return repr(self.name or str(self))
+
+    # ------------------------------------------------------------------ formats
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain data (JSON-safe); :meth:`from_dict` reads it back."""
+        d: dict[str, Any] = {} if self.name is None else {"name": self.name}
+        d.update(
+            param=self.param,
+            compute=self.compute,
+            output=self.output,
+            master=self.master,
+            reduce=self.reduce,
+            loss_scale=self.loss_scale.state_dict(),
+            ops=self.ops.lists(),
+            modules=[rule.to_dict() for rule in self.modules],
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Policy:
+        """Read :meth:`to_dict`'s form, or a partial one on a ``"base"`` preset.
+
+        See :func:`mixprec.spec.policy_from_mapping` for the keys.
+        """
+        from mixprec.spec import policy_from_mapping
+
+        return policy_from_mapping(d)
+
+    def to_toml(self) -> str:
+        """The policy as a TOML document that :func:`mixprec.load_toml` reads back."""
+        from mixprec.spec import policy_to_toml
+
+        return policy_to_toml(self)
+
+    def __str__(self) -> str:
+        """The preset name, or a key-grammar string; ``get_policy(str(p)) == p``."""
+        from mixprec.spec import format_policy
+
+        return format_policy(self)
+
+
+def _classes(module_class: str | Sequence[str] | None) -> str | tuple[str, ...] | None:
+    if module_class is None or isinstance(module_class, str):
+        return module_class
+    return tuple(module_class)
