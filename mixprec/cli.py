@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mixprec.errors import MixprecError
+from mixprec.grammar import format_loss_scale
 
 if TYPE_CHECKING:
     from mixprec.policy import Policy
@@ -29,7 +30,7 @@ def describe_policy(name: str, policy: Policy, *, lists: bool = True) -> str:
     lines = [f"{name}"]
     roles = ", ".join(f"{role}={getattr(policy, role) or '-'}" for role in _ROLES)
     lines.append(f"  {roles}")
-    lines.append(f"  loss_scale={_describe_scale(policy)}")
+    lines.append(f"  loss_scale={format_loss_scale(policy.loss_scale)}")
     if lists:
         for list_name in _LISTS:
             ops = sorted(getattr(policy.ops, list_name))
@@ -39,11 +40,6 @@ def describe_policy(name: str, policy: Policy, *, lists: bool = True) -> str:
         target = rule.dtype or ", ".join(f"{op}->{where}" for op, where in rule.ops)
         lines.append(f"  module   {rule.match}:{rule.pattern} -> {target}")
     return "\n".join(lines)
-
-
-def _describe_scale(policy: Policy) -> str:
-    scale = policy.loss_scale
-    return type(scale).__name__ if type(scale).__name__ == "NoScale" else repr(scale)
 
 
 def _cmd_policies(args: argparse.Namespace) -> int:

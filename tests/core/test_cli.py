@@ -1,0 +1,61 @@
+"""The mixprec console script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mixprec import plugins
+from mixprec.cli import main
+from mixprec.presets import builtin_preset_names
+
+
+def test_policies_prints_every_preset_with_roles_and_lists(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in builtin_preset_names():
+        assert f"\n{name}\n" in f"\n{out}"
+    assert "param=float16, compute=float16, output=float32, master=float32" in out  # O2
+    assert "fp32     " in out and "softmax" in out
+    assert "class:*BatchNorm* -> float32" in out
+
+
+def test_explain_names_the_deciding_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "O1-bf16", "softmax", "--inputs", "bfloat16"]) == 0
+    assert "Result: float32, by global fp32 list" in capsys.readouterr().out
+
+
+def test_bad_input_is_an_error_message_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "O7", "softmax"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec: error: ") and "O1" in err
+
+
+def test_backends_lists_broken_plugins(capsys: pytest.CaptureFixture[str]) -> None:
+    plugins.reset()
+    try:
+        plugins._broken["broken-demo"] = "ImportError: no module named broken_demo"
+        assert main(["backends", "--no-capabilities"]) == 0
+    finally:
+        plugins.reset()
+    out = capsys.readouterr().out
+    assert "torch" in out and "mxnet" in out
+    assert "broken plugins:\n  broken-demo: ImportError" in out
+
+
+@pytest.mark.slow
+def test_backends_reports_versions_and_capabilities() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mixprec.cli", "backends"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    import mxnet
+    import torch
+
+    assert f"torch {torch.__version__.split('+')[0]}" in out
+    assert f"mxnet {mxnet.__version__}" in out
+    assert "cpu: float32" in out and "bfloat16" in out
