@@ -82,7 +82,8 @@ def default_loss_scale(compute: str, param: str, master: str | None) -> LossScal
 def _build(level: str, lowp: str) -> Policy:
     ops = passthrough_op_rules(lowp)
     modules: tuple[ModuleRule, ...]
-    if level == "O0":
+    if level == "O0":  # nothing runs in low precision, so nothing needs banning either
+        ops = passthrough_op_rules(FLOAT32)
         return Policy(FLOAT32, FLOAT32, FLOAT32, None, FLOAT32, NoScale(), ops, ())
     if level == "O1":
         param, output, master, modules = FLOAT32, FLOAT32, None, (_BATCHNORM,)
