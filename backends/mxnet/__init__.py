@@ -1,0 +1,83 @@
+"""mixprec's MXNet Gluon backend: ``mixprec.mxnet.<name>`` is ``mixprec_mxnet.<name>``.
+
+The loop::
+
+    trainer = mixprec.mxnet.Trainer(net, "adam", {"learning_rate": 1e-3}, policy="O2-bf16")
+    for x, y in data:
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+            with trainer.scale_loss(loss) as scaled:     # or right after the record block
+                autograd.backward(scaled)
+        trainer.step(x.shape[0])                         # skips on overflow, updates the scale
+
+The Trainer converts ``net`` in place: O1 casts ops inside the hybridized graph (MXNet's AMP
+pass with lists built from the policy); O2/O3 cast the parameters (float32 masters owned by
+mixprec, for bfloat16 too), the net's inputs and outputs, and keep BatchNorm float32.
+``net.save_parameters`` keeps writing float32. On CPU, MXNet computes in bfloat16 (oneDNN)
+but not in float16: a float16 policy is refused there.
+
+Modules (named as in the PyTorch backend): :mod:`.trainer` (the Trainer and the step),
+:mod:`.casting` (parameter, boundary and island casting), :mod:`.graph` (O1: the graph
+pass), :mod:`.ops` (neutral families to MXNet op names), :mod:`.checkpoint`,
+:mod:`.devices` (``capabilities()``: a module named ``capabilities`` would shadow the
+function once imported), :mod:`.dtypes`, :mod:`.distributed` (kvstore ``dist_sync``),
+:mod:`.conformance` and :mod:`.plugin` (the entry point, which never imports MXNet).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "MixprecState",
+    "Trainer",
+    "capabilities",
+    "cast",
+    "conformance_adapter",
+    "master_params",
+    "resolve_policy",
+    "scale_loss",
+    "state",
+    "unscale",
+]
+
+_LAZY = {
+    "Trainer": "mixprec_mxnet.trainer",
+    "MixprecState": "mixprec_mxnet.trainer",
+    "master_params": "mixprec_mxnet.trainer",
+    "resolve_policy": "mixprec_mxnet.trainer",
+    "scale_loss": "mixprec_mxnet.trainer",
+    "state": "mixprec_mxnet.trainer",
+    "unscale": "mixprec_mxnet.trainer",
+    "capabilities": "mixprec_mxnet.devices",
+    "cast": "mixprec_mxnet.dtypes",
+    "conformance_adapter": "mixprec_mxnet.conformance",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mixprec_mxnet.conformance import conformance_adapter
+    from mixprec_mxnet.devices import capabilities
+    from mixprec_mxnet.dtypes import cast
+    from mixprec_mxnet.trainer import (
+        MixprecState,
+        Trainer,
+        master_params,
+        resolve_policy,
+        scale_loss,
+        state,
+        unscale,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixprec_mxnet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

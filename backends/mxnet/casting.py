@@ -1,0 +1,187 @@
+"""Convert a Gluon net in place for a policy: which dtype each parameter takes, and where
+activations are cast.
+
+- **O1-style policies** (op rules that cast) keep float32 parameters and cast inside the
+  hybridized graph (:mod:`mixprec_mxnet.graph`). A net that is not a ``HybridBlock`` gets the
+  graph pass on each of its largest ``HybridBlock`` parts; ops written in a plain
+  ``Block.forward`` run uncast.
+- **O2/O3-style policies** (every op passes through) cast the parameters to ``param``, the
+  net's floating inputs to ``compute`` and its outputs to ``output``, and make every module a
+  module rule pins to another dtype an *island*: its parameters take the pinned dtype, its
+  inputs are cast to it on entry and its outputs back on exit (``BatchNorm`` stays float32
+  this way, in training and in inference mode).
+
+Two MXNet facts shape this: its CPU ``BatchNorm`` needs float32 ``gamma``/``beta``/running
+statistics whatever the data dtype, and some layers have no bfloat16 CPU kernel
+(:data:`ISLAND_BLOCKS`), so under bfloat16 on CPU those become float32 islands even when no
+rule asks for it.
+
+Every cast of a floating array goes through :func:`mixprec_mxnet.dtypes.cast` (``amp_cast``,
+round to nearest-even).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mxnet as mx
+from mxnet import autograd, gluon
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
+from mixprec.errors import WrapError
+from mixprec.policy import Policy
+from mixprec_mxnet.dtypes import cast, dtype_name, mx_dtype
+from mixprec_mxnet.graph import BlockInfo, blocks_of, install_graph_pass
+
+__all__ = ["ISLAND_BLOCKS", "cast_param", "convert_net", "needs_fp32_params", "param_dtypes"]
+
+#: Gluon layers whose MXNet op has no bfloat16 CPU kernel: float32 islands under bfloat16.
+ISLAND_BLOCKS = ("Dropout", "LayerNorm", "GroupNorm", "InstanceNorm", "_RNNLayer")
+_FP32_PARAM_BLOCKS = ("_BatchNorm", "SyncBatchNorm")
+
+
+def needs_fp32_params(info: BlockInfo) -> bool:
+    """Whether MXNet's kernel for this block needs float32 parameters (BatchNorm's do)."""
+    return any(name in _FP32_PARAM_BLOCKS for name in info.classes)
+
+
+def _island_dtype(info: BlockInfo, policy: Policy, device: str) -> str | None:
+    pinned = policy.module_dtype(info.path, info.classes)
+    if pinned is None and policy.compute == BFLOAT16 and device == "cpu":
+        if any(name in ISLAND_BLOCKS for name in info.classes):
+            return FLOAT32
+    return pinned
+
+
+def param_dtypes(
+    net_or_params: Any, policy: Policy, device: str
+) -> list[tuple[gluon.Parameter, str]]:
+    """The dtype each parameter takes under ``policy``, in collect_params order.
+
+    With a ``ParameterDict`` (no blocks) a parameter's module is its name, matched by path
+    rules only.
+    """
+    if not isinstance(net_or_params, gluon.Block):
+        return [(p, policy.param_dtype_for(p.name, None)) for p in net_or_params.values()]
+    chosen: dict[int, tuple[gluon.Parameter, str]] = {}
+    for info in blocks_of(net_or_params):
+        dtype = _island_dtype(info, policy, device) or policy.param
+        if needs_fp32_params(info) and is_low_precision(dtype):
+            dtype = FLOAT32
+        for param in info.block._reg_params.values():
+            chosen.setdefault(id(param), (param, dtype))
+    return [chosen[id(p)] for p in net_or_params.collect_params().values() if id(p) in chosen]
+
+
+def cast_param(param: gluon.Parameter, dtype: str) -> None:
+    """Cast ``param`` (data on every context, and its gradient buffers) to ``dtype``.
+
+    Like ``Parameter.cast`` but rounding to nearest-even. A parameter still waiting for its
+    shape only records the dtype... which MXNet's initializers cannot fill for bfloat16, so
+    callers cast after initialisation.
+    """
+    if dtype_name(param.dtype) == dtype:
+        return
+    param._dtype = mx_dtype(dtype)
+    if param._data is None:
+        return
+    with autograd.pause():
+        param._data = [cast(data, dtype) for data in param._data]
+        param._init_grad()
+
+
+def convert_net(
+    net: gluon.Block,
+    policy: Policy,
+    device: str,
+    before_forward: Callable[[Sequence[Any]], None] | None = None,
+) -> None:
+    """Install the policy's casts on ``net`` in place (parameters are cast by the caller).
+
+    :param before_forward: called with the inputs of the first call, before any cast
+        (the Trainer finishes deferred parameter initialisation there).
+    """
+    if policy.casts_ops:
+        _install_op_casting(net, policy, device)
+    else:
+        _install_islands(net, policy, device)
+    _install_boundary(net, policy, before_forward)
+
+
+def _install_op_casting(net: gluon.Block, policy: Policy, device: str) -> None:
+    if is_low_precision(policy.param):
+        raise WrapError(
+            f"policy {policy.label} has op rules that cast and param={policy.param}: the Gluon "
+            "backend casts ops only around float32 parameters (O1-style). Use O1 with op "
+            "rules, or O2/O3 with module rules (policy.with_module(...)) instead of op rules"
+        )
+    if isinstance(net, gluon.HybridBlock):
+        install_graph_pass(net, policy, device)
+        return
+    for child in net._children.values():
+        _install_op_casting(child, policy, device)
+
+
+def _install_islands(net: gluon.Block, policy: Policy, device: str) -> None:
+    outside = {id(net): policy.compute if policy.is_resolved else policy.param}
+    for info in blocks_of(net):
+        current = outside.get(id(info.block), policy.param)
+        inside = _island_dtype(info, policy, device) if info.block is not net else None
+        if inside is not None and inside != current:
+            _wrap_island(info.block, inside, current)
+            current = inside
+        for child in info.block._children.values():
+            outside[id(child)] = current
+
+
+def _wrap_island(block: gluon.Block, inside: str, outside: str) -> None:
+    if isinstance(block, gluon.HybridBlock):
+        hybrid_forward = block.hybrid_forward
+
+        def island(F: Any, x: Any, *args: Any, **params: Any) -> Any:
+            x, args = cast_floating(x, inside), cast_floating(args, inside)
+            return cast_floating(hybrid_forward(F, x, *args, **params), outside)
+
+        block.hybrid_forward = island
+    else:
+        forward = block.forward
+
+        def island_forward(*args: Any) -> Any:
+            return cast_floating(forward(*cast_floating(args, inside)), outside)
+
+        block.forward = island_forward
+
+
+def _install_boundary(
+    net: gluon.Block, policy: Policy, before: Callable[[Sequence[Any]], None] | None
+) -> None:
+    forward = net.forward
+    in_dtype = None if policy.casts_ops else policy.compute
+    out_dtype = None if policy.casts_ops and policy.output == FLOAT32 else policy.output
+    state = {"before": before}
+
+    def boundary(*args: Any) -> Any:
+        hook = state["before"]
+        if hook is not None:
+            hook(args)
+            state["before"] = None
+        if in_dtype is not None:
+            args = cast_floating(args, in_dtype)
+        out = forward(*args)
+        return out if out_dtype is None else cast_floating(out, out_dtype)
+
+    net.forward = boundary
+
+
+def cast_floating(value: Any, dtype: str) -> Any:
+    """Floating NDArrays and Symbols in ``value`` (nested lists/tuples) cast to ``dtype``."""
+    if isinstance(value, NDArray):
+        return cast(value, dtype)
+    if isinstance(value, Symbol):
+        return mx.sym.amp_cast(value, dtype=mx_dtype(dtype))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    return value

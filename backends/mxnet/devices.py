@@ -1,0 +1,105 @@
+"""What MXNet can compute in on this machine, and the checks made against it.
+
+MXNet 1.9 runs bfloat16 ``FullyConnected`` and ``Convolution`` on CPU through oneDNN (2-4x
+faster than float32 on CPUs with AVX512-BF16/AMX) but has no float16 GEMM or convolution on
+CPU at all; GPUs compute in float16 (and MXNet 1.9 has no bfloat16 GPU kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import mxnet as mx
+
+from mixprec.backend import Capabilities, DeviceCapability
+from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32, is_low_precision
+from mixprec.errors import PolicyError, UnsupportedDtypeError
+from mixprec.policy import Policy
+from mixprec.presets import get_policy
+
+__all__ = ["capabilities", "check_policy_dtypes", "device_key", "has_onednn"]
+
+
+@functools.lru_cache(maxsize=1)
+def has_onednn() -> bool:
+    """Whether this MXNet build has oneDNN (MKLDNN), which provides bfloat16 on CPU."""
+    return bool(mx.runtime.Features().is_enabled("MKLDNN"))
+
+
+def device_key(ctx: Any) -> str:
+    """The capability name of an MXNet context: ``"cpu"`` or ``"gpu(0)"``.
+
+    Every CPU context (``mx.cpu(0)``, ``mx.cpu(1)``, ``mx.cpu_pinned()``) is the one CPU.
+    """
+    if ctx.device_type in ("cpu", "cpu_pinned", "cpu_shared"):
+        return "cpu"
+    return f"gpu({ctx.device_id})"
+
+
+def _cpu() -> DeviceCapability:
+    if has_onednn():
+        return DeviceCapability("cpu", (FLOAT32, BFLOAT16), (BFLOAT16,))
+    return DeviceCapability("cpu", (FLOAT32,), ())
+
+
+@functools.lru_cache(maxsize=1)
+def capabilities() -> Capabilities:
+    """The Gluon backend's devices: the CPU, plus every GPU MXNet sees (float16 there)."""
+    devices = [_cpu()]
+    for i in range(mx.context.num_gpus()):
+        devices.append(DeviceCapability(f"gpu({i})", (FLOAT32, FLOAT16), (FLOAT16,)))
+    return Capabilities(backend="mxnet", framework_version=mx.__version__, devices=tuple(devices))
+
+
+def check_policy_dtypes(
+    dtypes: Sequence[str], contexts: Sequence[Any], policy: Policy | None = None
+) -> None:
+    """Refuse low-precision dtypes the contexts cannot compute in, with the fix.
+
+    :param dtypes: the low-precision dtypes the policy computes or stores parameters in.
+    :param contexts: the MXNet contexts the parameters live on.
+    :param policy: the policy, to suggest its bfloat16 sibling (``O2`` -> ``O2-bf16``).
+    :raises UnsupportedDtypeError: float16 on a CPU context, bfloat16 without oneDNN or on a
+        GPU context.
+    """
+    caps = capabilities()
+    for ctx in contexts:
+        device = device_key(ctx)
+        allowed = caps.device(device).compute_dtypes if device == "cpu" else (FLOAT32, FLOAT16)
+        for dtype in dtypes:
+            if not is_low_precision(dtype) or dtype in allowed:
+                continue
+            raise UnsupportedDtypeError(_refusal(dtype, device, ctx, policy))
+
+
+def _bf16_sibling(policy: Policy | None) -> str:
+    """The policy with bfloat16 in place of float16, as a preset name or key spec."""
+    if policy is None:
+        return "O2-bf16"
+    try:
+        return str(get_policy(policy, compute=BFLOAT16))
+    except PolicyError:
+        return "O2-bf16"
+
+
+def _refusal(dtype: str, device: str, ctx: Any, policy: Policy | None) -> str:
+    if device == "cpu" and dtype == FLOAT16:
+        return (
+            f"the policy computes in float16 but the parameters live on {ctx}: MXNet has no "
+            "float16 matrix multiply or convolution on CPU. Use bfloat16 instead: "
+            f"policy='{_bf16_sibling(policy)}' (or compute='bfloat16'), or move the net to "
+            "a GPU context (mx.gpu(0)) to keep float16"
+        )
+    if device == "cpu" and dtype == BFLOAT16:
+        return (
+            f"the policy computes in bfloat16 on {ctx}, but this MXNet build has no oneDNN "
+            "(mx.runtime.Features().is_enabled('MKLDNN') is False), which MXNet needs for "
+            "bfloat16 on CPU. Install an MXNet build with oneDNN (the PyPI 'mxnet' wheel) or "
+            "use policy='O0'"
+        )
+    return (
+        f"the policy computes in {dtype} on {ctx}, which MXNet {mx.__version__} cannot do "
+        "(MXNet has bfloat16 kernels on CPU only). Use float16 on GPU, e.g. policy='O2'"
+    )

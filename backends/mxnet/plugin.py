@@ -1,0 +1,26 @@
+"""Registers the Gluon backend with mixprec (entry point ``mxnet`` in the ``mixprec`` group).
+
+This module must stay importable without MXNet: mixprec imports it to list backends, and
+imports :mod:`mixprec_mxnet` (which imports MXNet) only when the backend is first used.
+"""
+
+from __future__ import annotations
+
+from mixprec.backend import BackendInfo
+from mixprec.hookspecs import hookimpl
+
+__all__ = ["mixprec_register_backends"]
+
+
+@hookimpl
+def mixprec_register_backends() -> list[BackendInfo]:
+    """The ``mxnet`` backend: ``mixprec.mxnet.Trainer`` for Gluon."""
+    return [
+        BackendInfo(
+            name="mxnet",
+            framework="mxnet",
+            api_module="mixprec_mxnet",
+            extra="mxnet",
+            description="MXNet Gluon: mixprec.mxnet.Trainer (O1 graph casting, O2 fp32 masters)",
+        )
+    ]
