@@ -1,0 +1,110 @@
+"""What a backend hands the conformance suite: an adapter and the trainers it makes.
+
+The suite never touches a framework. It asks the backend's api module for
+``conformance_adapter()``, which returns a :class:`ConformanceAdapter`; the adapter runs
+single ops under a policy and builds small :class:`ConformanceTrainer`\\ s, and the suite
+compares what they report with the core (``Policy.decide``, ``DynamicScale``) in plain
+Python floats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from mixprec.policy import Policy
+
+__all__ = ["ConformanceAdapter", "ConformanceTrainer"]
+
+
+@runtime_checkable
+class ConformanceTrainer(Protocol):
+    """One small model with its optimizer, wrapped by the backend under one policy.
+
+    Built by :meth:`ConformanceAdapter.make_trainer`. Every step trains on the same small
+    batch, so two trainers made with the same policy and seed take identical steps. The
+    optimizer must keep state (momentum SGD or Adam): the suite checks that a skipped step
+    leaves it untouched, and that it survives a checkpoint.
+    """
+
+    def step(self, inject_inf: bool = False) -> float:
+        """One full training step; returns the (unscaled) loss.
+
+        With ``inject_inf`` the backend writes an ``inf`` into one gradient after the
+        backward pass and before its own overflow check, so the step must be skipped.
+        """
+        ...
+
+    def params(self) -> dict[str, list[float]]:
+        """The model's parameters by name, flattened, as float values."""
+        ...
+
+    def master_params(self) -> dict[str, list[float]]:
+        """The optimizer's master copy of each model parameter (same names as :meth:`params`;
+        a parameter without a separate master reports its own values)."""
+        ...
+
+    def optimizer_state(self) -> dict[str, list[float]]:
+        """Every optimizer state buffer (momentum, Adam moments ...), flattened, by name."""
+        ...
+
+    def loss_scale(self) -> float:
+        """The loss scale the next step will use."""
+        ...
+
+    def skipped_steps(self) -> int:
+        """How many steps were skipped so far."""
+        ...
+
+    def checkpoint(self) -> bytes:
+        """Everything needed to resume (model, optimizer, loss scaler), as the backend's own
+        save functions write it."""
+        ...
+
+    def restore(self, blob: bytes) -> None:
+        """Load what :meth:`checkpoint` returned, the way a user resumes (called on a freshly
+        made trainer)."""
+        ...
+
+    def saved_param_dtypes(self) -> set[str]:
+        """Canonical dtypes of the parameters in the model file the backend saves."""
+        ...
+
+
+@runtime_checkable
+class ConformanceAdapter(Protocol):
+    """A backend's entry into the conformance suite (returned by ``conformance_adapter()``).
+
+    Optional members, read with defaults when absent:
+
+    ``device: str``
+        the device, as named in ``capabilities()``, that ops and trainers run on
+        (default ``"cpu"``).
+    """
+
+    name: str
+    """The backend's name, as registered (``"torch"``, ``"numpy"``)."""
+
+    def supported_ops(self) -> Collection[str]:
+        """The neutral op families (``mixprec.ops.OP_FAMILIES``) this backend maps."""
+        ...
+
+    def op_dtype(self, policy: Policy, op: str, input_dtype: str) -> str:
+        """Run the backend's native op for ``op`` under ``policy`` with inputs (and weights)
+        in ``input_dtype``, and return the canonical dtype it computed in.
+
+        Raises a :class:`~mixprec.errors.MixprecError` where the backend refuses: an op the
+        policy bans, or a dtype the device cannot compute in
+        (:class:`~mixprec.errors.UnsupportedDtypeError`).
+        """
+        ...
+
+    def make_trainer(self, policy: Policy, seed: int = 0) -> ConformanceTrainer:
+        """A fresh small model and stateful optimizer wrapped under ``policy``.
+
+        The model must have at least one op the policy runs in low precision (a linear
+        layer). Raises :class:`~mixprec.errors.UnsupportedDtypeError` for a policy the device
+        cannot run.
+        """
+        ...

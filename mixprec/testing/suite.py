@@ -1,0 +1,281 @@
+"""The conformance tests. Collected by :mod:`mixprec.testing.pytest_plugin`, never directly.
+
+Each test receives ``backend`` (a :class:`~mixprec.testing.cases.BackendUnderTest`) and
+the parameters its ``@cases`` generator lists. Test ids, minus the leading backend name,
+are what ``conformance_xfail.txt`` lists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import pytest
+
+from mixprec.errors import MixprecError
+from mixprec.loss_scale import DynamicScale, LossScale
+from mixprec.testing.cases import (
+    OVERFLOW_SEQUENCE,
+    BackendUnderTest,
+    cases,
+    computing_in,
+    listed_dtype_cases,
+    no_cases,
+    op_cases,
+    policy,
+    saved_dtype_cases,
+    trace_cases,
+    trainer_cases,
+    unlisted_dtype_cases,
+)
+from mixprec.testing.floats import round_to
+from mixprec.testing.protocol import ConformanceTrainer
+
+Values = Mapping[str, list[float]]
+
+
+def _trainer(backend: BackendUnderTest, policy_name: str, seed: int = 0) -> ConformanceTrainer:
+    assert backend.adapter is not None
+    return backend.adapter.make_trainer(policy(policy_name), seed=seed)
+
+
+def _bits(values: Values) -> dict[str, list[str]]:
+    # compare floats bit for bit: NaN == NaN, and -0.0 != 0.0
+    return {name: [float(v).hex() for v in vs] for name, vs in values.items()}
+
+
+def _differences(expected: Values, actual: Values) -> list[str]:
+    if set(expected) != set(actual):
+        return [f"names differ: {sorted(expected)} vs {sorted(actual)}"]
+    out = []
+    for name in sorted(expected):
+        want, got = _bits({name: expected[name]})[name], _bits({name: actual[name]})[name]
+        if want != got:
+            bad = [i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b]
+            first = bad[0] if bad else min(len(want), len(got))
+            out.append(
+                f"{name}: {len(bad) or 'length'} element(s) differ, first at [{first}]: "
+                f"{expected[name][first : first + 1]} vs {actual[name][first : first + 1]}"
+            )
+    return out
+
+
+def _assert_same(expected: Values, actual: Values, what: str) -> None:
+    diffs = _differences(expected, actual)
+    assert not diffs, f"{what} changed:\n  " + "\n  ".join(diffs)
+
+
+# ------------------------------------------------------------------------------------------
+# The backend loads, and reports what it can do
+# ------------------------------------------------------------------------------------------
+
+
+@cases(no_cases)
+def test_backend_builds(backend: BackendUnderTest) -> None:
+    """The backend was asked for, so it must load: a missing one fails, never skips."""
+    if backend.error is not None:
+        pytest.fail(
+            f"mixprec backend {backend.name!r} was requested but could not be built "
+            f"(load_backend, capabilities() or conformance_adapter() failed):\n{backend.error}",
+            pytrace=False,
+        )
+
+
+@cases(no_cases)
+def test_capabilities_describe_the_device(backend: BackendUnderTest) -> None:
+    """capabilities() names the backend and lists float32 for the adapter's device."""
+    caps = backend.capabilities
+    assert caps is not None and caps.backend == backend.name
+    device = backend.device_capability
+    assert "float32" in backend.compute_dtypes, f"{device.device} must list float32"
+    assert set(device.fast_dtypes) <= set(device.compute_dtypes), (
+        f"fast_dtypes {device.fast_dtypes} must be among compute_dtypes {device.compute_dtypes}"
+    )
+    preferred = caps.preferred_lowp(backend.device)
+    assert preferred is None or preferred in device.fast_dtypes
+
+
+@cases(listed_dtype_cases, ("dtype",))
+def test_listed_dtype_computes_linear(backend: BackendUnderTest, dtype: str) -> None:
+    """Every dtype the device lists can run a linear layer, in that dtype."""
+    assert backend.adapter is not None
+    assert backend.adapter.op_dtype(policy(computing_in(dtype)), "linear", dtype) == dtype
+
+
+@cases(unlisted_dtype_cases, ("dtype",))
+def test_unlisted_dtype_is_refused(backend: BackendUnderTest, dtype: str) -> None:
+    """A dtype the device does not list is refused with a MixprecError (preferably
+    UnsupportedDtypeError) when an op or a trainer asks for it, not run badly."""
+    assert backend.adapter is not None
+    chosen = policy(computing_in(dtype))
+    with pytest.raises(MixprecError):
+        backend.adapter.op_dtype(chosen, "linear", "float32")
+    with pytest.raises(MixprecError):
+        backend.adapter.make_trainer(chosen)
+
+
+# ------------------------------------------------------------------------------------------
+# Every op family runs in the dtype Policy.decide gives
+# ------------------------------------------------------------------------------------------
+
+
+@cases(op_cases, ("policy_name", "op"))
+def test_op_dtype_matches_decide(backend: BackendUnderTest, policy_name: str, op: str) -> None:
+    """For each input dtype the device lists, the op computes in ``policy.decide``'s dtype
+    (and is refused where the policy bans it)."""
+    assert backend.adapter is not None
+    chosen = policy(policy_name)
+    wrong = []
+    for input_dtype in backend.compute_dtypes:
+        try:
+            expected = chosen.decide(op, (input_dtype,)).dtype
+        except MixprecError:  # banned: the backend must refuse too
+            try:
+                got = backend.adapter.op_dtype(chosen, op, input_dtype)
+            except MixprecError:
+                continue
+            wrong.append(f"inputs {input_dtype}: ran in {got}, but the policy bans {op!r}")
+            continue
+        got = backend.adapter.op_dtype(chosen, op, input_dtype)
+        if got != expected:
+            why = chosen.explain(op, (input_dtype,))
+            wrong.append(
+                f"inputs {input_dtype}: ran in {got}, policy.decide says {expected}\n    {why}"
+            )
+    assert not wrong, f"{op} under {policy_name}:\n  " + "\n  ".join(wrong)
+
+
+# ------------------------------------------------------------------------------------------
+# Loss scaling: the same trace as the core state machine; a skipped step changes nothing
+# ------------------------------------------------------------------------------------------
+
+
+@cases(trace_cases, ("policy_name",))
+def test_scaler_trace_matches_core(backend: BackendUnderTest, policy_name: str) -> None:
+    """For a fixed overflow sequence, the loss scale and skip count after every step equal
+    those of the policy's loss-scale state machine driven directly."""
+    chosen = policy(policy_name)
+    trainer = _trainer(backend, policy_name)
+    state: LossScale = chosen.loss_scale
+    expected, actual = [], []
+    skipped = 0
+    assert trainer.loss_scale() == state.scale, "the first step must use the initial scale"
+    for step, overflow in enumerate(OVERFLOW_SEQUENCE):
+        loss = trainer.step(inject_inf=overflow)
+        assert overflow or math.isfinite(loss), f"step {step}: the loss itself is {loss}"
+        state = state.update(overflow).state
+        skipped += overflow
+        expected.append((step, overflow, state.scale, skipped))
+        actual.append((step, overflow, trainer.loss_scale(), trainer.skipped_steps()))
+    assert actual == expected, "(step, injected inf, loss scale, skipped steps) differ:\n" + (
+        "\n".join(
+            f"  backend {a}\n  core    {e}" for a, e in zip(actual, expected, strict=True) if a != e
+        )
+    )
+
+
+@cases(trainer_cases, ("policy_name",))
+def test_skipped_step_leaves_state_untouched(backend: BackendUnderTest, policy_name: str) -> None:
+    """A step with an inf gradient changes no weight, master or optimizer state; the next
+    finite step does."""
+    trainer = _trainer(backend, policy_name)
+    for _ in range(3):
+        trainer.step()
+    before = (trainer.params(), trainer.master_params(), trainer.optimizer_state())
+    assert before[2], "optimizer_state() is empty: use a stateful optimizer (momentum, Adam)"
+    skipped = trainer.skipped_steps()
+    trainer.step(inject_inf=True)
+    assert trainer.skipped_steps() == skipped + 1
+    _assert_same(before[0], trainer.params(), "model params")
+    _assert_same(before[1], trainer.master_params(), "master params")
+    _assert_same(before[2], trainer.optimizer_state(), "optimizer state")
+    trainer.step()
+    assert _differences(before[1], trainer.master_params()), "a finite step changed nothing"
+
+
+# ------------------------------------------------------------------------------------------
+# Master weights and checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+@cases(trainer_cases, ("policy_name",))
+def test_masters_are_exact(backend: BackendUnderTest, policy_name: str) -> None:
+    """Each model param equals its float32 master rounded to the param's dtype, and the
+    masters keep more precision than the params (they are not upcast low-precision values)."""
+    chosen = policy(policy_name)
+    trainer = _trainer(backend, policy_name)
+    for _ in range(4):
+        trainer.step()
+    params, masters = trainer.params(), trainer.master_params()
+    assert set(params) == set(masters), f"{sorted(params)} vs {sorted(masters)}"
+    if not chosen.uses_masters:
+        _assert_same(params, masters, "params without masters vs master_params()")
+        return
+    assert chosen.master == "float32"
+    off_grid = 0
+    for name, master in masters.items():
+        rounded = [round_to(chosen.param, m) for m in master]
+        assert [round_to("float32", m) for m in master] == master, f"{name}: master not float32"
+        if params[name] == master:  # a float32 param (a pinned module) is its own master
+            continue
+        assert not _differences({name: rounded}, {name: params[name]}), (
+            f"{name}: the model param is not its master rounded to {chosen.param}"
+        )
+        off_grid += rounded != master
+    assert off_grid, f"every master is representable in {chosen.param}: masters look upcast"
+
+
+@cases(trainer_cases, ("policy_name",))
+def test_checkpoint_resumes_bit_identical(backend: BackendUnderTest, policy_name: str) -> None:
+    """Restoring a checkpoint into a fresh trainer and continuing gives bit-identical
+    params, masters, optimizer state, loss scale and skip count to never stopping."""
+    if isinstance(policy(policy_name).loss_scale, DynamicScale):
+        policy_name += "+trace"  # a small interval, so the scaler state moves within the test
+    original = _trainer(backend, policy_name)
+    for overflow in (False, True, False, False, False):
+        original.step(inject_inf=overflow)
+    blob = original.checkpoint()
+    resumed = _trainer(backend, policy_name)
+    resumed.restore(blob)
+
+    def compare(when: str) -> None:
+        for what, read in (
+            ("params", lambda t: t.params()),
+            ("masters", lambda t: t.master_params()),
+            ("optimizer state", lambda t: t.optimizer_state()),
+            ("loss scale", lambda t: {"": [t.loss_scale()]}),
+            ("skipped steps", lambda t: {"": [float(t.skipped_steps())]}),
+        ):
+            _assert_same(read(original), read(resumed), f"{what} {when} ({policy_name})")
+
+    compare("right after restore")
+    for overflow in (False, True, False, False):
+        losses = {"loss": [original.step(inject_inf=overflow), resumed.step(inject_inf=overflow)]}
+        assert len(set(_bits(losses)["loss"])) == 1, f"losses differ after resuming: {losses}"
+    compare("after resuming")
+
+
+@cases(saved_dtype_cases, ("policy_name",))
+def test_saved_params_are_float32(backend: BackendUnderTest, policy_name: str) -> None:
+    """The saved model file holds float32 values (the masters), whatever the param dtype."""
+    trainer = _trainer(backend, policy_name)
+    trainer.step()
+    assert trainer.saved_param_dtypes() == {"float32"}
+
+
+# ------------------------------------------------------------------------------------------
+# The backend's own list of known gaps
+# ------------------------------------------------------------------------------------------
+
+
+@cases(no_cases)
+def test_xfail_file_is_current(backend: BackendUnderTest) -> None:
+    """Every entry of conformance_xfail.txt names at least one test of this suite."""
+    stale = [
+        f"line {e.line}: {e.pattern}"
+        for e in backend.xfails
+        if not any(e.matches(test_id) for test_id in backend.test_ids)
+    ]
+    assert not stale, f"{backend.xfail_file} lists tests that do not exist:\n  " + "\n  ".join(
+        stale
+    )

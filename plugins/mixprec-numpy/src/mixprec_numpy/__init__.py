@@ -1,0 +1,74 @@
+"""mixprec's NumPy backend: the worked example for plugin authors.
+
+A small, complete backend: float16/bfloat16 casts (:mod:`~mixprec_numpy.casting`), what the
+device can do (:mod:`~mixprec_numpy.capabilities`), layers with hand-written backward that
+ask the policy for each op's dtype (:mod:`~mixprec_numpy.layers`), an optimizer, the
+mixed-precision :class:`Trainer`, and the conformance adapter.
+
+This is the backend's api module: mixprec imports it when the ``numpy`` backend is first
+used. Names are loaded on first access, so importing :mod:`mixprec_numpy.plugin` (which
+Python does through this package) does not import NumPy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "capabilities": "mixprec_numpy.capabilities",
+    "Tensor": "mixprec_numpy.casting",
+    "cast": "mixprec_numpy.casting",
+    "round_to_bfloat16": "mixprec_numpy.casting",
+    "MLP": "mixprec_numpy.layers",
+    "Linear": "mixprec_numpy.layers",
+    "Parameter": "mixprec_numpy.layers",
+    "ReLU": "mixprec_numpy.layers",
+    "SoftmaxCrossEntropy": "mixprec_numpy.layers",
+    "softmax": "mixprec_numpy.layers",
+    "SGD": "mixprec_numpy.optimizer",
+    "Trainer": "mixprec_numpy.trainer",
+}
+
+__all__ = [
+    "MLP",
+    "SGD",
+    "Linear",
+    "Parameter",
+    "ReLU",
+    "SoftmaxCrossEntropy",
+    "Tensor",
+    "Trainer",
+    "capabilities",
+    "cast",
+    "conformance_adapter",
+    "round_to_bfloat16",
+    "softmax",
+]
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from mixprec_numpy.capabilities import capabilities
+    from mixprec_numpy.casting import Tensor, cast, round_to_bfloat16
+    from mixprec_numpy.conformance import NumpyConformanceAdapter
+    from mixprec_numpy.layers import MLP, Linear, Parameter, ReLU, SoftmaxCrossEntropy, softmax
+    from mixprec_numpy.optimizer import SGD
+    from mixprec_numpy.trainer import Trainer
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixprec_numpy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def conformance_adapter() -> NumpyConformanceAdapter:
+    """The adapter mixprec's conformance suite drives (see :mod:`mixprec.testing`)."""
+    from mixprec_numpy.conformance import NumpyConformanceAdapter
+
+    return NumpyConformanceAdapter()

@@ -1,0 +1,54 @@
+"""What the NumPy backend can compute in, and the policy checks made against it.
+
+NumPy has float16 but no bfloat16, so this backend emulates both the way GPUs compute:
+inputs are rounded to the low-precision dtype, the matrix product accumulates in float32,
+and the result is rounded back. Neither is faster than float32 here, so ``auto`` resolves
+to float32 (with mixprec's warning).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from mixprec.backend import Capabilities, DeviceCapability
+from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32
+from mixprec.errors import UnsupportedDtypeError
+from mixprec.policy import Policy
+from mixprec.presets import get_policy, resolve_auto
+
+__all__ = ["DTYPES", "capabilities", "check_dtype", "resolve_policy"]
+
+DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
+"""The dtypes this backend computes and stores in."""
+
+
+@functools.lru_cache(maxsize=1)
+def capabilities() -> Capabilities:
+    """One device, the CPU: float32, float16 and bfloat16, none of them fast."""
+    cpu = DeviceCapability("cpu", compute_dtypes=DTYPES, fast_dtypes=())
+    return Capabilities(backend="numpy", framework_version=np.__version__, devices=(cpu,))
+
+
+def check_dtype(dtype: str, what: str) -> None:
+    """Refuse a dtype the backend cannot compute in, naming the fix."""
+    if dtype not in DTYPES:
+        raise UnsupportedDtypeError(
+            f"the NumPy backend cannot compute in {dtype} ({what}); it runs float32, float16 "
+            "and bfloat16 only. Use a float16 or bfloat16 policy such as 'O2-bf16'"
+        )
+
+
+def resolve_policy(spec: str | Policy, device: str = "cpu") -> Policy:
+    """The policy a trainer runs: ``auto`` resolved for ``device``, every dtype checked."""
+    caps = capabilities()
+    caps.device(device)  # unknown device: BackendNotAvailable naming the ones there are
+    policy = get_policy(spec)
+    if not policy.is_resolved:
+        policy = resolve_auto(policy, caps.preferred_lowp(device))
+    for role in ("param", "compute", "output", "master"):
+        dtype = getattr(policy, role)
+        if dtype is not None:
+            check_dtype(dtype, f"the policy's {role} dtype")
+    return policy

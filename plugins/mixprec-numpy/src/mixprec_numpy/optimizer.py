@@ -1,0 +1,50 @@
+"""SGD with momentum, updating float32 master parameters.
+
+The optimizer knows nothing about precision: the trainer hands it the masters (float32
+copies, or the parameters themselves where no copy is needed) with unscaled float32
+gradients, and copies the result back into the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from mixprec.errors import CheckpointError
+from mixprec_numpy.casting import Array, cast, float32
+from mixprec_numpy.layers import Parameter
+
+__all__ = ["SGD"]
+
+
+class SGD:
+    """``v = momentum * v + grad; param -= lr * v`` (PyTorch's SGD without dampening)."""
+
+    def __init__(self, lr: float = 0.01, momentum: float = 0.0) -> None:
+        self.lr = lr
+        self.momentum = momentum
+        self.state: dict[str, Array] = {}
+        """The momentum buffer of each parameter, by name (float32)."""
+
+    def update(self, params: list[Parameter]) -> None:
+        """One step on every parameter that has a gradient."""
+        for p in params:
+            if p.grad is None:
+                continue
+            step = float32(p.grad)
+            if self.momentum:
+                velocity = self.state.get(p.name)
+                if velocity is not None:
+                    step = np.float32(self.momentum) * velocity + step
+                self.state[p.name] = step = np.array(step, np.float32)
+            p.data = cast(float32(p.data) - np.float32(self.lr) * step, p.dtype)
+
+    def state_dict(self) -> dict[str, Array]:
+        return {name: v.copy() for name, v in self.state.items()}
+
+    def load_state_dict(self, state: Mapping[str, Array]) -> None:
+        for name, v in state.items():
+            if v.dtype != np.float32:
+                raise CheckpointError(f"optimizer state {name!r} is {v.dtype}, not float32")
+        self.state = {name: np.array(v, np.float32) for name, v in state.items()}

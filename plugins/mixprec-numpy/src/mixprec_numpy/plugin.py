@@ -1,0 +1,25 @@
+"""Registers the NumPy backend with mixprec (entry point ``numpy`` in the ``mixprec`` group).
+
+mixprec imports this module to list backends, so it imports no NumPy: everything that
+does lives in :mod:`mixprec_numpy`, which mixprec imports on first use.
+"""
+
+from __future__ import annotations
+
+from mixprec.backend import BackendInfo
+from mixprec.hookspecs import hookimpl
+
+__all__ = ["mixprec_register_backends"]
+
+
+@hookimpl
+def mixprec_register_backends() -> list[BackendInfo]:
+    """The ``numpy`` backend: ``mixprec_numpy.Trainer`` for the bundled MLP."""
+    return [
+        BackendInfo(
+            name="numpy",
+            framework="numpy",
+            api_module="mixprec_numpy",
+            description="NumPy reference backend: MLP with hand-written backward (plugin example)",
+        )
+    ]

@@ -1,0 +1,3 @@
+"""Test-suite wide set-up: the conformance suite's pytest plugin (see tests/conformance)."""
+
+pytest_plugins = ["mixprec.testing.pytest_plugin"]
