@@ -17,6 +17,7 @@ mixprec, for bfloat16 too), the net's inputs and outputs, and keep BatchNorm flo
 but not in float16: a float16 policy is refused there.
 
 Modules (named as in the PyTorch backend): :mod:`.trainer` (the Trainer and the step),
+:mod:`.loop` (``scale_loss(loss, trainer)`` and the other loop functions, torch-shaped),
 :mod:`.casting` (parameter, boundary and island casting), :mod:`.graph` (O1: the graph
 pass), :mod:`.ops` (neutral families to MXNet op names), :mod:`.checkpoint`,
 :mod:`.devices` (``capabilities()``: a module named ``capabilities`` would shadow the
@@ -44,12 +45,12 @@ __all__ = [
 
 _LAZY = {
     "Trainer": "mixprec_mxnet.trainer",
-    "MixprecState": "mixprec_mxnet.trainer",
-    "master_params": "mixprec_mxnet.trainer",
-    "resolve_policy": "mixprec_mxnet.trainer",
-    "scale_loss": "mixprec_mxnet.trainer",
-    "state": "mixprec_mxnet.trainer",
-    "unscale": "mixprec_mxnet.trainer",
+    "MixprecState": "mixprec_mxnet.loop",
+    "master_params": "mixprec_mxnet.loop",
+    "resolve_policy": "mixprec_mxnet.devices",
+    "scale_loss": "mixprec_mxnet.loop",
+    "state": "mixprec_mxnet.loop",
+    "unscale": "mixprec_mxnet.loop",
     "capabilities": "mixprec_mxnet.devices",
     "cast": "mixprec_mxnet.dtypes",
     "conformance_adapter": "mixprec_mxnet.conformance",
@@ -57,17 +58,10 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from mixprec_mxnet.conformance import conformance_adapter
-    from mixprec_mxnet.devices import capabilities
+    from mixprec_mxnet.devices import capabilities, resolve_policy
     from mixprec_mxnet.dtypes import cast
-    from mixprec_mxnet.trainer import (
-        MixprecState,
-        Trainer,
-        master_params,
-        resolve_policy,
-        scale_loss,
-        state,
-        unscale,
-    )
+    from mixprec_mxnet.loop import MixprecState, master_params, scale_loss, state, unscale
+    from mixprec_mxnet.trainer import Trainer
 
 
 def __getattr__(name: str) -> Any:

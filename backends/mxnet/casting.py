@@ -65,7 +65,12 @@ def param_dtypes(
     rules only.
     """
     if not isinstance(net_or_params, gluon.Block):
-        return [(p, policy.param_dtype_for(p.name, None)) for p in net_or_params.values()]
+        params = list(net_or_params.values())
+        batch_norm = _batch_norm_params(params)
+        return [
+            (p, FLOAT32 if p.name in batch_norm else policy.param_dtype_for(p.name, None))
+            for p in params
+        ]
     chosen: dict[int, tuple[gluon.Parameter, str]] = {}
     for info in blocks_of(net_or_params):
         dtype = _island_dtype(info, policy, device) or policy.param
@@ -74,6 +79,21 @@ def param_dtypes(
         for param in info.block._reg_params.values():
             chosen.setdefault(id(param), (param, dtype))
     return [chosen[id(p)] for p in net_or_params.collect_params().values() if id(p) in chosen]
+
+
+def _batch_norm_params(params: Sequence[gluon.Parameter]) -> set[str]:
+    """Names of BatchNorm parameters, recognised by name as MXNet's ``SymbolBlock.cast`` does
+    (``<prefix>running_var`` with ``running_mean``, ``gamma`` and ``beta`` siblings)."""
+    names = {p.name for p in params}
+    found: set[str] = set()
+    for name in names:
+        for var, mean in (("running_var", "running_mean"), ("moving_var", "moving_mean")):
+            if name.endswith(var):
+                group = {name, name[: -len(var)] + mean}
+                group |= {name[: -len(var)] + s for s in ("gamma", "beta")}
+                if group <= names:
+                    found |= group
+    return found
 
 
 def cast_param(param: gluon.Parameter, dtype: str) -> None:

@@ -16,10 +16,11 @@ import mxnet as mx
 from mixprec.backend import Capabilities, DeviceCapability
 from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import PolicyError, UnsupportedDtypeError
+from mixprec.plugins import policy_resolved
 from mixprec.policy import Policy
-from mixprec.presets import get_policy
+from mixprec.presets import get_policy, resolve_auto
 
-__all__ = ["capabilities", "check_policy_dtypes", "device_key", "has_onednn"]
+__all__ = ["capabilities", "check_policy_dtypes", "device_key", "has_onednn", "resolve_policy"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,3 +104,16 @@ def _refusal(dtype: str, device: str, ctx: Any, policy: Policy | None) -> str:
         f"the policy computes in {dtype} on {ctx}, which MXNet {mx.__version__} cannot do "
         "(MXNet has bfloat16 kernels on CPU only). Use float16 on GPU, e.g. policy='O2'"
     )
+
+
+def resolve_policy(spec: Any, contexts: Sequence[mx.Context], **overrides: Any) -> Policy:
+    """The concrete policy for parameters on ``contexts``: ``auto`` resolved, dtypes checked.
+
+    :raises UnsupportedDtypeError: the policy computes in a dtype a context cannot (float16
+        on CPU: the message suggests the ``-bf16`` preset).
+    """
+    device = device_key(contexts[0])
+    policy = resolve_auto(get_policy(spec, **overrides), capabilities().preferred_lowp(device))
+    check_policy_dtypes([policy.compute, policy.param], contexts, policy)
+    policy_resolved(policy, "mxnet", device)
+    return policy

@@ -233,7 +233,15 @@ def install_graph_pass(net: gluon.HybridBlock, policy: Policy, device: str) -> N
 
     def _get_graph(*args: Any) -> Any:
         if not net._cached_graph:
-            inputs, out = trace(net, *args)
+            try:
+                inputs, out = trace(net, *args)
+            except Exception as exc:
+                raise WrapError(
+                    f"O1 casts ops in the hybridized graph, but {type(net).__name__} could not "
+                    f"be traced symbolically ({type(exc).__name__}: {exc}). Make its "
+                    "hybrid_forward use only F.* ops (no asnumpy, no Python control flow on "
+                    "values), or use an O2 policy, which casts at block boundaries"
+                ) from exc
             flat = [a for a in _flatten(args) if a is not None]
             dtypes = [dtype_name(a.dtype) if isinstance(a, NDArray) else FLOAT32 for a in flat]
             net._cached_graph = (

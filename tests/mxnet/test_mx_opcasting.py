@@ -153,3 +153,34 @@ def test_bf16_inputs_reach_float32_ops_cast() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run_op(O1_BF16, "linear", "bfloat16") == "bfloat16"
+
+
+def test_a_plain_block_gets_o1_on_its_hybrid_parts() -> None:
+    from mixprec_mxnet import Trainer
+
+    class Head(gluon.Block):  # not hybridizable: a plain Block around hybrid layers
+        def __init__(self):
+            super().__init__()
+            self.body = cnn()
+
+        def forward(self, x):
+            return self.body(x) * 2
+
+    net = Head()
+    Trainer(net, "sgd", policy="O1-bf16")
+    x, _ = batch(image=True)
+    out = net(x)
+    assert dtype_of(out) == "float32"
+    dtypes = node_dtypes(net.body._cached_graph[1], data="float32")
+    assert dtypes[net.body[0].name + "_fwd"] == "bfloat16"
+
+
+def test_untraceable_hybrid_block_gets_a_clear_error() -> None:
+    class Untraceable(gluon.HybridBlock):
+        def hybrid_forward(self, F, x):
+            return x * float(x.sum().asscalar())  # needs values: cannot be traced
+
+    net = Untraceable()
+    install_graph_pass(net, O1_BF16, "cpu")
+    with pytest.raises(WrapError, match="traced"):
+        net(nd.ones((2, 3)))

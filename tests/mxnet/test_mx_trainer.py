@@ -231,6 +231,11 @@ def test_parameter_dict_gets_casting_and_masters_but_a_warning() -> None:
     trainer.step(8)
     with pytest.warns(MixprecWarning, match="op casting"):
         Trainer(mlp().collect_params(), "sgd", policy="O1-bf16")
+    net = cnn()  # BatchNorm parameters are recognised by name and stay float32
+    with pytest.warns(MixprecWarning):
+        Trainer(net.collect_params(), "sgd", policy="O2-bf16")
+    assert {dtype_of(p.data()) for p in net[1].collect_params().values()} == {"float32"}
+    assert dtype_of(net[0].weight.data()) == "bfloat16"
 
 
 def _frozen_bn_run(policy: str) -> tuple[list[float], dict, dict, Any]:
