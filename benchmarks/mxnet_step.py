@@ -1,0 +1,164 @@
+"""Case 2 — MXNet Gluon training step on the CPU in bfloat16.
+
+Two hybridized Gluon models: a CNN (3 × Conv 3×3 + BatchNorm + ReLU + max-pool, 64/128/256
+channels, then Dense 256 and Dense 10; batch 128 of 3×32×32) and an MLP (4 × Dense 2048 +
+GELU, batch 256). Contenders:
+
+- ``fp32 Trainer``: ``gluon.Trainer`` and the plain loop.
+- ``mxnet.contrib.amp bf16``: the documented AMP training recipe —
+  ``amp.init(target_dtype="bfloat16")`` before the model is built, ``amp.init_trainer(trainer)``,
+  ``with amp.scale_loss(loss, trainer) as scaled: autograd.backward(scaled)``. ``amp.init``
+  monkey-patches ``mx.nd``/``mx.sym`` for the whole process, so this contender runs in a
+  process of its own.
+- ``mixprec O1-bf16``, ``mixprec O2-bf16``: ``mixprec.mxnet.Trainer(net, "adam", ...)`` and
+  ``trainer.scale_loss``.
+
+Every contender uses Adam (learning rate 1e-4) and ends its sample with ``mx.nd.waitall()``
+so that MXNet's asynchronous engine has finished the step before the clock stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.runner import Case, Factory, Job, JobResult, Options, compare, log
+
+MODELS = {
+    "cnn": "3 × (Conv 3×3 + BatchNorm + ReLU + MaxPool) 64/128/256 ch, Dense 256, Dense 10; "
+    "batch 128 × 3×32×32",
+    "mlp": "4 × (Dense 2048 + GELU), batch 256, softmax cross-entropy over 2048 classes",
+}
+AMP = "mxnet.contrib.amp bf16"
+IN_PROCESS = ("fp32 Trainer", "mixprec O1-bf16", "mixprec O2-bf16")
+OPT_PARAMS = {"learning_rate": 1e-4}
+
+
+def build(kind: str, seed: int = 0) -> tuple[Any, Any, Any, int]:
+    """A hybridized, initialised net for ``kind``, one batch, its labels and the batch size."""
+    import mxnet as mx
+    from mxnet import gluon
+
+    mx.random.seed(seed)
+    nn = gluon.nn
+    net = nn.HybridSequential()
+    if kind == "cnn":
+        for channels in (64, 128, 256):
+            net.add(nn.Conv2D(channels, 3, padding=1), nn.BatchNorm(), nn.Activation("relu"))
+            net.add(nn.MaxPool2D(2))
+        net.add(nn.Flatten(), nn.Dense(256, activation="relu"), nn.Dense(10))
+        batch, x = 128, mx.nd.random.normal(shape=(128, 3, 32, 32))
+        y = mx.nd.random.randint(0, 10, shape=(128,)).astype("float32")
+    elif kind == "mlp":
+        for _ in range(4):
+            net.add(nn.Dense(2048), nn.GELU())
+        batch, x = 256, mx.nd.random.normal(shape=(256, 2048))
+        y = mx.nd.random.randint(0, 2048, shape=(256,)).astype("float32")
+    else:
+        raise ValueError(f"unknown model {kind!r}")
+    net.initialize(mx.init.Xavier(), ctx=mx.cpu())
+    net.hybridize(static_alloc=True, static_shape=True)
+    return net, x, y, batch
+
+
+def make_step(contender: str, kind: str) -> Callable[[], None]:
+    """Set up one contender on a fresh ``kind`` model and return its training step."""
+    import mxnet as mx
+    from mxnet import autograd, gluon
+
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    if contender == AMP:
+        from mxnet.contrib import amp
+
+        amp.init(target_dtype="bfloat16")  # before the model is built, as documented
+        net, x, y, batch = build(kind)
+        trainer = gluon.Trainer(net.collect_params(), "adam", dict(OPT_PARAMS))
+        amp.init_trainer(trainer)
+
+        def step() -> None:
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+                with amp.scale_loss(loss, trainer) as scaled:
+                    autograd.backward(scaled)
+            trainer.step(batch)
+            mx.nd.waitall()
+
+    elif contender == "fp32 Trainer":
+        net, x, y, batch = build(kind)
+        trainer = gluon.Trainer(net.collect_params(), "adam", dict(OPT_PARAMS))
+
+        def step() -> None:
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            trainer.step(batch)
+            mx.nd.waitall()
+
+    elif contender.startswith("mixprec "):
+        import mixprec
+
+        net, x, y, batch = build(kind)
+        policy = contender.split(" ", 1)[1]
+        trainer = mixprec.mxnet.Trainer(net, "adam", dict(OPT_PARAMS), policy=policy)
+
+        def step() -> None:
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+                with trainer.scale_loss(loss) as scaled:
+                    autograd.backward(scaled)
+            trainer.step(batch)
+            mx.nd.waitall()
+
+    else:
+        raise ValueError(f"unknown contender {contender!r}")
+    return step
+
+
+def factory(contender: str, kind: str) -> Factory:
+    def setup() -> Callable[[], None]:
+        return make_step(contender, kind)
+
+    return setup
+
+
+def run(opts: Options, contenders: list[str]) -> JobResult:
+    """Worker: the given contenders on both models (round-robin within each model)."""
+    result = JobResult()
+    for kind in MODELS:
+        log(f"  mxnet_step / {kind}: {', '.join(contenders)}")
+        result.measurements += compare(
+            "mxnet_step",
+            kind,
+            {name: factory(name, kind) for name in contenders},
+            warmup=opts.warm(3, 1),
+            repeat=opts.reps(15, 3),
+        )
+    import mxnet as mx
+
+    result.meta["mxnet_features"] = [f.name for f in mx.runtime.Features().values() if f.enabled]
+    return result
+
+
+def jobs(opts: Options) -> list[Job]:
+    return [
+        Job(
+            "mxnet_step fp32+mixprec", "benchmarks.mxnet_step:run", {"contenders": list(IN_PROCESS)}
+        ),
+        Job("mxnet_step amp", "benchmarks.mxnet_step:run", {"contenders": [AMP]}),
+    ]
+
+
+CASE = Case(
+    name="mxnet_step",
+    title="MXNet Gluon, CPU bfloat16, one training step",
+    jobs=jobs,
+    baselines=("fp32 Trainer", AMP),
+    groups=MODELS,
+    order=("fp32 Trainer", AMP, *IN_PROCESS[1:]),
+    method=(
+        "One sample = forward and loss under autograd.record, (scaled) backward, trainer.step, "
+        "then mx.nd.waitall(). fp32 and the mixprec contenders run round-robin in one process; "
+        "mxnet.contrib.amp runs in a second process right after (amp.init patches MXNet "
+        "globally), so its ratios compare medians from two processes of the same run."
+    ),
+)

@@ -1,0 +1,143 @@
+"""The issue's targets, in one table, and their evaluation against a run's measurements.
+
+Three kinds of target:
+
+- ``ratio``: headline(contender) / headline(baseline) ≤ limit, both from the same case and
+  group of the same run (medians for timings).
+- ``value``: headline(contender) ≤ limit (an absolute figure: ms).
+- ``drop``: headline(baseline) − headline(contender) ≤ limit for *every* contender listed
+  (accuracy in points: the worst preset decides).
+
+Where several contenders are listed for a ``ratio`` or ``value`` target, the worst decides.
+A target whose figures are missing (not run, or a contender failed) is "not measured".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from benchmarks.accuracy import BASELINE, MIXED
+from benchmarks.mxnet_step import AMP
+from benchmarks.runner import Measurement, find, fmt
+
+Kind = Literal["ratio", "value", "drop"]
+
+
+@dataclass(frozen=True)
+class Target:
+    id: str
+    text: str  # the target in the issue's words
+    case: str
+    group: str
+    kind: Kind
+    contenders: tuple[str, ...]
+    limit: float
+    baseline: str | None = None
+    metric: str | None = None  # restrict to one metric of the contenders
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: Target
+    status: Literal["met", "missed", "not measured"]
+    value: float | None
+    detail: str  # the figure as text, e.g. "0.52× (412 ms / 790 ms)"
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("torch-o1-mlp", "mixprec O1-bf16 step ≤ 1.05 × autocast+GradScaler, MLP",
+           "torch_step", "mlp", "ratio", ("mixprec O1-bf16",), 1.05, "autocast+GradScaler"),
+    Target("torch-o1-transformer",
+           "mixprec O1-bf16 step ≤ 1.05 × autocast+GradScaler, transformer layer",
+           "torch_step", "transformer", "ratio", ("mixprec O1-bf16",), 1.05,
+           "autocast+GradScaler"),
+    Target("torch-o2-mlp", "mixprec O2-bf16 step ≤ 0.55 × fp32, MLP",
+           "torch_step", "mlp", "ratio", ("mixprec O2-bf16",), 0.55, "fp32"),
+    Target("mxnet-o2-amp-cnn", "mixprec.mxnet O2-bf16 ≤ 1.0 × mxnet.contrib.amp bf16, CNN",
+           "mxnet_step", "cnn", "ratio", ("mixprec O2-bf16",), 1.0, AMP),
+    Target("mxnet-o2-amp-mlp", "mixprec.mxnet O2-bf16 ≤ 1.0 × mxnet.contrib.amp bf16, MLP",
+           "mxnet_step", "mlp", "ratio", ("mixprec O2-bf16",), 1.0, AMP),
+    Target("mxnet-o2-fp32-cnn", "mixprec.mxnet O2-bf16 ≤ 0.6 × fp32 Trainer, CNN",
+           "mxnet_step", "cnn", "ratio", ("mixprec O2-bf16",), 0.6, "fp32 Trainer"),
+    Target("mxnet-o2-fp32-mlp", "mixprec.mxnet O2-bf16 ≤ 0.6 × fp32 Trainer, MLP",
+           "mxnet_step", "mlp", "ratio", ("mixprec O2-bf16",), 0.6, "fp32 Trainer"),
+    Target("step-overhead", "step overhead ≤ 1.15 × GradScaler's, 300 tensors",
+           "step_overhead", "300 tensors", "ratio", ("mixprec O1",), 1.15, "GradScaler", "step"),
+    Target("memory-o2", "peak memory under O2-bf16 ≤ 0.7 × fp32, activation-heavy model",
+           "memory", "activations", "ratio", ("mixprec O2-bf16",), 0.7, "fp32",
+           "peak tensor memory"),
+    Target("import", "`import mixprec` < 100 ms",
+           "startup", "import", "value", ("import mixprec",), 100.0),
+    Target("wrap", "`wrap` of 1,000 modules < 1 s (slowest preset)",
+           "startup", "wrap, 1,000 modules", "value", ("wrap O1-bf16", "wrap O2-bf16"), 1000.0),
+    *(
+        Target(f"accuracy-{backend}",
+               f"every mixed preset within 1 point of fp32 accuracy, {backend}",
+               "accuracy", backend, "drop", MIXED[backend], 1.0, BASELINE[backend])
+        for backend in ("torch", "mxnet", "numpy")
+    ),
+)  # fmt: skip
+
+
+def evaluate(target: Target, measurements: Sequence[Measurement]) -> Verdict:
+    """Whether ``target`` is met by the measurements of its case (from one run)."""
+    mine = [m for m in measurements if m.case == target.case]
+
+    def get(contender: str) -> Measurement | None:
+        return find(mine, target.group, contender, target.metric)
+
+    missing = [c for c in (*target.contenders, target.baseline) if c and not _ok(get(c))]
+    if missing:
+        why = "; ".join(_why(c, get(c)) for c in missing)
+        return Verdict(target, "not measured", None, why)
+    figures: list[tuple[float, str]] = []
+    for contender in target.contenders:
+        m = get(contender)
+        assert m is not None and m.value is not None
+        if target.kind == "value":
+            figures.append((m.value, f"{fmt(m.value)} {m.unit} ({contender})"))
+            continue
+        base = get(target.baseline or "")
+        assert base is not None and base.value is not None
+        if target.kind == "ratio":
+            r = m.value / base.value
+            figures.append((r, f"{r:.2f}× ({fmt(m.value)} / {fmt(base.value)} {m.unit})"))
+        else:
+            drop = base.value - m.value
+            figures.append(
+                (drop, f"{drop:+.2f} points ({contender}: {fmt(m.value)} vs {fmt(base.value)} %)")
+            )
+    value, detail = max(figures)
+    # "under 100 ms" is strict; "≤ 1.05×" and "within 1 point" include the limit
+    met = value < target.limit if target.kind == "value" else value <= target.limit
+    status: Literal["met", "missed"] = "met" if met else "missed"
+    if target.kind == "drop":
+        detail = f"worst drop {detail}"
+    return Verdict(target, status, value, detail)
+
+
+def evaluate_all(measurements: Sequence[Measurement], cases_run: Iterable[str]) -> list[Verdict]:
+    """Every target whose case was run (the others are left out, not reported as missed)."""
+    run = set(cases_run)
+    return [evaluate(t, measurements) for t in TARGETS if t.case in run]
+
+
+def _ok(m: Measurement | None) -> bool:
+    return m is not None and m.ok
+
+
+def _why(contender: str, m: Measurement | None) -> str:
+    if m is None:
+        return f"{contender}: no figure"
+    why = m.error or "no samples"
+    return f"{contender}: {why if len(why) <= 120 else why[:117] + '...'}"
+
+
+def limit_text(target: Target) -> str:
+    if target.kind == "ratio":
+        return f"≤ {target.limit:g}× {target.baseline}"
+    if target.kind == "drop":
+        return f"≥ {target.baseline} − {target.limit:g} point"
+    return f"< {target.limit:g} ms"
