@@ -6,7 +6,8 @@ activations are cast.
   graph pass on each of its largest ``HybridBlock`` parts; ops written in a plain
   ``Block.forward`` run uncast.
 - **O2/O3-style policies** (every op passes through) cast the parameters to ``param``, the
-  net's floating inputs to ``compute`` and its outputs to ``output``, and make every module a
+  net's floating inputs to ``param`` as well (MXNet ops need inputs and weights of one type;
+  the presets have ``param == compute``) and its outputs to ``output``, and make every module a
   module rule pins to another dtype an *island*: its parameters take the pinned dtype, its
   inputs are cast to it on entry and its outputs back on exit (``BatchNorm`` stays float32
   this way, in training and in inference mode).
@@ -23,6 +24,7 @@ round to nearest-even).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mxnet as mx
@@ -36,7 +38,16 @@ from mixprec.policy import Policy
 from mixprec_mxnet.dtypes import cast, dtype_name, mx_dtype
 from mixprec_mxnet.graph import BlockInfo, blocks_of, install_graph_pass
 
-__all__ = ["ISLAND_BLOCKS", "cast_param", "convert_net", "needs_fp32_params", "param_dtypes"]
+__all__ = [
+    "ISLAND_BLOCKS",
+    "BlockSite",
+    "cast_floating",
+    "cast_param",
+    "convert_net",
+    "needs_fp32_params",
+    "param_dtypes",
+    "plan_net",
+]
 
 #: Gluon layers whose MXNet op has no bfloat16 CPU kernel: float32 islands under bfloat16.
 ISLAND_BLOCKS = ("Dropout", "LayerNorm", "GroupNorm", "InstanceNorm", "_RNNLayer")
@@ -48,12 +59,38 @@ def needs_fp32_params(info: BlockInfo) -> bool:
     return any(name in _FP32_PARAM_BLOCKS for name in info.classes)
 
 
-def _island_dtype(info: BlockInfo, policy: Policy, device: str) -> str | None:
+def _pinned(info: BlockInfo, policy: Policy, device: str) -> str | None:
     pinned = policy.module_dtype(info.path, info.classes)
     if pinned is None and policy.compute == BFLOAT16 and device == "cpu":
         if any(name in ISLAND_BLOCKS for name in info.classes):
             return FLOAT32
     return pinned
+
+
+@dataclass(frozen=True)
+class BlockSite:
+    """One block of the net as the conversion sees it."""
+
+    info: BlockInfo
+    dtype: str
+    """The dtype the block's parameters and (O2/O3) activations take: its own module rule's,
+    else its parent's; the root's is the policy's ``param``."""
+    outside: str | None
+    """Set when the block is an island (its dtype differs from its parent's): the dtype
+    around it, which its outputs are cast back to."""
+
+
+def plan_net(net: gluon.Block, policy: Policy, device: str) -> list[BlockSite]:
+    """Every block of ``net`` with its dtype, parents first."""
+    around = {id(net): policy.param}
+    sites = []
+    for info in blocks_of(net):
+        outside = around[id(info.block)]
+        dtype = (None if info.block is net else _pinned(info, policy, device)) or outside
+        sites.append(BlockSite(info, dtype, outside if dtype != outside else None))
+        for child in info.block._children.values():
+            around[id(child)] = dtype
+    return sites
 
 
 def param_dtypes(
@@ -62,7 +99,7 @@ def param_dtypes(
     """The dtype each parameter takes under ``policy``, in collect_params order.
 
     With a ``ParameterDict`` (no blocks) a parameter's module is its name, matched by path
-    rules only.
+    rules only, and BatchNorm parameters are recognised by name.
     """
     if not isinstance(net_or_params, gluon.Block):
         params = list(net_or_params.values())
@@ -72,11 +109,11 @@ def param_dtypes(
             for p in params
         ]
     chosen: dict[int, tuple[gluon.Parameter, str]] = {}
-    for info in blocks_of(net_or_params):
-        dtype = _island_dtype(info, policy, device) or policy.param
-        if needs_fp32_params(info) and is_low_precision(dtype):
+    for site in plan_net(net_or_params, policy, device):
+        dtype = site.dtype
+        if needs_fp32_params(site.info) and is_low_precision(dtype):
             dtype = FLOAT32
-        for param in info.block._reg_params.values():
+        for param in site.info.block._reg_params.values():
             chosen.setdefault(id(param), (param, dtype))
     return [chosen[id(p)] for p in net_or_params.collect_params().values() if id(p) in chosen]
 
@@ -99,9 +136,9 @@ def _batch_norm_params(params: Sequence[gluon.Parameter]) -> set[str]:
 def cast_param(param: gluon.Parameter, dtype: str) -> None:
     """Cast ``param`` (data on every context, and its gradient buffers) to ``dtype``.
 
-    Like ``Parameter.cast`` but rounding to nearest-even. A parameter still waiting for its
-    shape only records the dtype... which MXNet's initializers cannot fill for bfloat16, so
-    callers cast after initialisation.
+    Like ``Parameter.cast`` but rounding to nearest-even. Cast after initialisation: a
+    parameter still waiting for its shape would only record the dtype, and MXNet's
+    initializers cannot fill bfloat16 arrays.
     """
     if dtype_name(param.dtype) == dtype:
         return
@@ -146,15 +183,9 @@ def _install_op_casting(net: gluon.Block, policy: Policy, device: str) -> None:
 
 
 def _install_islands(net: gluon.Block, policy: Policy, device: str) -> None:
-    outside = {id(net): policy.compute if policy.is_resolved else policy.param}
-    for info in blocks_of(net):
-        current = outside.get(id(info.block), policy.param)
-        inside = _island_dtype(info, policy, device) if info.block is not net else None
-        if inside is not None and inside != current:
-            _wrap_island(info.block, inside, current)
-            current = inside
-        for child in info.block._children.values():
-            outside[id(child)] = current
+    for site in plan_net(net, policy, device):
+        if site.outside is not None:
+            _wrap_island(site.info.block, site.dtype, site.outside)
 
 
 def _wrap_island(block: gluon.Block, inside: str, outside: str) -> None:
@@ -179,7 +210,7 @@ def _install_boundary(
     net: gluon.Block, policy: Policy, before: Callable[[Sequence[Any]], None] | None
 ) -> None:
     forward = net.forward
-    in_dtype = None if policy.casts_ops else policy.compute
+    in_dtype = None if policy.casts_ops else policy.param
     out_dtype = None if policy.casts_ops and policy.output == FLOAT32 else policy.output
     state = {"before": before}
 

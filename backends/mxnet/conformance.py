@@ -151,7 +151,8 @@ class MXNetConformanceTrainer:
     def step(self, inject_inf: bool = False) -> float:
         """One forward/backward/step on the fixed batch; the unscaled loss."""
         with autograd.record():
-            loss = self.loss_fn(self.net(self.x), self.y).mean()
+            # O3 outputs bfloat16; the loss against float32 targets is taken in float32
+            loss = self.loss_fn(cast(self.net(self.x), FLOAT32), self.y).mean()
             with self.trainer.scale_loss(loss) as scaled:
                 autograd.backward(scaled)
         if inject_inf:

@@ -284,3 +284,19 @@ def test_plain_block_with_deferred_shapes_and_o2_is_refused() -> None:
 def test_adam_eps_lint_fires_for_low_precision_optimizer_state() -> None:
     with pytest.warns(MixprecWarning, match="eps"):
         Trainer(mlp(), "adam", {"epsilon": 1e-45}, policy="O3-bf16")
+
+
+def test_a_pinned_module_is_an_island_with_its_children() -> None:
+    net = gluon.nn.HybridSequential()
+    inner = gluon.nn.HybridSequential()
+    inner.add(gluon.nn.Dense(16, in_units=16, activation="relu"), gluon.nn.Dense(16, in_units=16))
+    net.add(gluon.nn.Dense(16, in_units=8), inner, gluon.nn.Dense(4, in_units=16))
+    net.initialize()
+    policy = mixprec.get_policy("O2-bf16").with_module("1", "float32", match="path")
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy=policy)
+    assert dtype_of(net[0].weight.data()) == dtype_of(net[2].weight.data()) == "bfloat16"
+    assert {dtype_of(p.data()) for p in inner.collect_params().values()} == {"float32"}
+    x, y = batch()
+    net.hybridize()
+    train_step(net, trainer, x, y, L2)
+    assert not trainer.last_step_skipped
