@@ -1,0 +1,41 @@
+"""The user guide and README stay true: included examples match their files, and run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+INCLUDE = re.compile(r"<!-- include: (\S+) -->\n```python\n(.*?)```\n<!-- end include -->", re.S)
+
+
+def includes(page: str) -> list[tuple[str, str]]:
+    return INCLUDE.findall((ROOT / page).read_text())
+
+
+def test_guide_includes_match_their_files() -> None:
+    found = includes("docs/guide.md")
+    assert {path for path, _ in found} == {"examples/torch_loop.py", "examples/gluon_loop.py"}
+    for path, text in found:
+        assert text == (ROOT / path).read_text(), f"docs/guide.md is out of date with {path}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["examples/torch_loop.py", "examples/gluon_loop.py"])
+def test_example_runs(example: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", str(ROOT / example)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train accuracy" in proc.stdout
+
+
+def test_readme_policy_example_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Policies", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "README.md#policies", "exec"), {})
