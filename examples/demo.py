@@ -143,9 +143,7 @@ def run_mxnet(policy: str) -> Result:
     elapsed = (time.perf_counter() - start) / EPOCHS
     predictions = net(mx.nd.array(xte)).astype("float32").argmax(axis=1).asnumpy()
     accuracy = float((predictions == yte).mean())
-    return Result(
-        "mxnet", policy, accuracy, elapsed, trainer.skipped_steps, trainer.loss_scale
-    )
+    return Result("mxnet", policy, accuracy, elapsed, trainer.skipped_steps, trainer.loss_scale)
 
 
 # ---------------------------------------------------------------------------------------

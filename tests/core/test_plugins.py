@@ -57,7 +57,7 @@ def test_missing_framework_names_the_extra() -> None:
 
 
 def test_unknown_backend_lists_the_installed_ones() -> None:
-    with pytest.raises(BackendNotAvailable, match="installed backends: .*torch"):
+    with pytest.raises(BackendNotAvailable, match=r"installed backends: .*torch"):
         load_backend("jaxx")
 
 

@@ -1,0 +1,68 @@
+"""mixprec's PyTorch backend: ``mixprec.torch.<name>`` is ``mixprec_torch.<name>``.
+
+The loop::
+
+    model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2")
+    optimizer.zero_grad()
+    loss = loss_fn(model(x), y)
+    with mixprec.torch.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    mixprec.torch.unscale_(optimizer)                 # only before clipping
+    torch.nn.utils.clip_grad_norm_(mixprec.torch.master_params(optimizer), 1.0)
+    optimizer.step()                                  # skips on overflow, updates the scale
+
+Modules (the MXNet backend uses the same names where it can): :mod:`.wrapping` (``wrap``:
+converting models and optimizers), :mod:`.casting` (parameter, boundary and island casting),
+:mod:`.autocast` (O1 op-level casting), :mod:`.ops` (neutral families to torch callables),
+:mod:`.optimizer` (the step), :mod:`.checkpoint` (state dicts), :mod:`.devices`
+(``capabilities()``; not ``capabilities.py``, which would shadow the lazy function),
+:mod:`.dtypes`, :mod:`.distributed` (DDP/FSDP2), :mod:`.presets` (the ``torch-autocast``
+presets), :mod:`.conformance` (the conformance-suite adapter) and :mod:`.plugin` (the
+entry point, which never imports torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "MixprecState",
+    "capabilities",
+    "conformance_adapter",
+    "master_params",
+    "scale_loss",
+    "state",
+    "unscale_",
+    "wrap",
+]
+
+_LAZY = {
+    "wrap": "mixprec_torch.wrapping",
+    "scale_loss": "mixprec_torch.optimizer",
+    "unscale_": "mixprec_torch.optimizer",
+    "master_params": "mixprec_torch.optimizer",
+    "state": "mixprec_torch.optimizer",
+    "MixprecState": "mixprec_torch.optimizer",
+    "capabilities": "mixprec_torch.devices",
+    "conformance_adapter": "mixprec_torch.conformance",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mixprec_torch.conformance import conformance_adapter
+    from mixprec_torch.devices import capabilities
+    from mixprec_torch.optimizer import MixprecState, master_params, scale_loss, state, unscale_
+    from mixprec_torch.wrapping import wrap
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixprec_torch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,317 @@
+"""Parameter and boundary casting (O2/O3), module islands, and the hooks of a wrapped model.
+
+For each module of a wrapped model, :func:`plan_model` decides once, at wrap time:
+
+- its *dtype*: the dtype a module rule pins it to (``Policy.module_dtype``), else the dtype
+  of its parent (a pin covers everything inside the module), else ``policy.param`` at the
+  root. Its own parameters and floating buffers are cast to that dtype in place
+  (``param.data = ...``), so the ``Parameter`` objects (and what optimizers, DDP and tied
+  modules hold) stay the same;
+- whether it is an *island*: pinned to a dtype. Its forward pre-hook casts floating inputs to
+  the pinned dtype and turns autocast off inside it; its post-hook turns autocast back on
+  and, when no autocast runs around it (O2/O3), casts floating outputs back to the dtype
+  around it. So a float32 BatchNorm in an O2 float16 network receives float32 and hands
+  float16 to the next layer, in train and in eval mode;
+- whether it pushes a decision context (it matches a module rule, and the op-casting mode is
+  on) so ``Policy.decide`` sees the module an op runs in.
+
+The root gets the *boundary*: floating inputs are cast to the root's dtype when that is a
+low-precision dtype (O2/O3), the op-casting region (:mod:`mixprec_torch.autocast`) runs
+around the forward, and floating outputs are cast to ``policy.output``.
+
+Every hook is a bound method of a :class:`ModelCasting` stored on the model, so
+``copy.deepcopy(model)`` copies hooks and plan consistently.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.dtypes import is_low_precision
+from mixprec.errors import WrapError
+from mixprec.policy import Policy
+
+from .autocast import DecisionContext, OpCasting, context_stack
+from .dtypes import FLOATING, torch_dtype
+
+__all__ = ["ModelCasting", "ModuleSite", "cast_floating", "class_names", "plan_model"]
+
+
+class _HooksLocal(threading.local):
+    def __init__(self) -> None:
+        # (module, undo steps) per running forward with hooks, innermost last
+        self.stack: list[tuple[nn.Module, list[Any]]] = []
+
+
+_hooks_local = _HooksLocal()
+
+
+def class_names(module: nn.Module) -> tuple[str, ...]:
+    """The module's class and base class names (so ``*BatchNorm*`` matches subclasses)."""
+    return tuple(cls.__name__ for cls in type(module).__mro__ if cls is not object)
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype in FLOATING and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, tuple):
+        items = [cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        if type(value) is dict:
+            return {k: cast_floating(v, dtype) for k, v in value.items()}
+        out = copy.copy(value)  # OrderedDict, Hugging Face ModelOutput ...
+        for k, v in value.items():
+            out[k] = cast_floating(v, dtype)
+        return out
+    return value
+
+
+@dataclass
+class ModuleSite:
+    """What the plan decided for one module."""
+
+    name: str
+    module: nn.Module
+    classes: tuple[str, ...]
+    pin: str | None
+    dtype: str
+    outer: str
+    has_rule: bool
+
+    @property
+    def context(self) -> DecisionContext:
+        return DecisionContext(self.name, self.classes)
+
+
+def plan_model(model: nn.Module, policy: Policy) -> list[ModuleSite]:
+    """One :class:`ModuleSite` per module, parents before children.
+
+    :raises WrapError: a parameter shared by modules that the policy puts in different dtypes.
+    :raises PolicyError: module rules that match a module ambiguously.
+    """
+    sites: list[ModuleSite] = []
+
+    def visit(name: str, module: nn.Module, outer: str) -> None:
+        classes = class_names(module)
+        pin = policy.module_dtype(name, classes)
+        has_rule = any(rule.matches(name, classes) for rule in policy.modules)
+        dtype = pin or outer
+        sites.append(ModuleSite(name, module, classes, pin, dtype, outer, has_rule))
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, dtype)
+
+    visit("", model, policy.param)
+    owners: dict[int, tuple[str, str]] = {}
+    for site in sites:
+        for pname, param in site.module.named_parameters(recurse=False):
+            where = f"{site.name}.{pname}" if site.name else pname
+            seen = owners.setdefault(id(param), (site.dtype, where))
+            if seen[0] != site.dtype:
+                raise WrapError(
+                    f"parameter {where!r} is shared with {seen[1]!r}, but the policy puts them "
+                    f"in different dtypes ({site.dtype} vs {seen[0]}); a tied weight has one "
+                    "dtype. Give both modules the same module rule (or none)"
+                )
+    return sites
+
+
+class ModelCasting:
+    """The casting plan of one wrapped model, and its forward hooks.
+
+    :param model: the root module.
+    :param policy: the resolved policy.
+    :param casting: the op-casting plan (None when no op is cast).
+    :param cast_params: whether parameters and boundaries follow the plan (False under FSDP2,
+        which casts parameters and boundaries itself).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: Policy,
+        casting: OpCasting | None,
+        *,
+        cast_params: bool = True,
+    ) -> None:
+        self.policy = policy
+        self.casting: OpCasting | None = None
+        self.set_op_casting(casting)
+        self.sites = plan_model(model, policy)
+        self.cast_params = cast_params
+        self.output_dtype = torch_dtype(policy.output)
+        root = self.sites[0]
+        self.input_dtype = (
+            torch_dtype(root.dtype) if cast_params and is_low_precision(root.dtype) else None
+        )
+        self._handles: list[Any] = []
+
+    def set_op_casting(self, casting: OpCasting | None) -> None:
+        """Use ``casting`` for the forward's op-casting region (None or inactive: no region)."""
+        self.casting = casting if casting is not None and casting.active else None
+
+    # ------------------------------------------------------------------ params
+
+    def planned_dtype(self) -> dict[int, str]:
+        """id(param) -> the dtype the plan gives it (every floating parameter)."""
+        return {
+            id(p): site.dtype
+            for site in self.sites
+            for p in site.module.parameters(recurse=False)
+            if p.is_floating_point()
+        }
+
+    def apply_param_dtypes(self) -> None:
+        """Cast each module's own parameters (and their grads) and floating buffers in place."""
+        if not self.cast_params:
+            return
+        with torch.no_grad():
+            for site in self.sites:
+                dtype = torch_dtype(site.dtype)
+                module = site.module
+                for param in module.parameters(recurse=False):
+                    if param.dtype in FLOATING and param.dtype != dtype:
+                        param.data = param.data.to(dtype)
+                        if param.grad is not None:
+                            param.grad = param.grad.to(dtype)
+                for bname, buf in list(module._buffers.items()):
+                    if buf is not None and buf.dtype in FLOATING and buf.dtype != dtype:
+                        module._buffers[bname] = buf.to(dtype)
+
+    # ------------------------------------------------------------------ hooks
+
+    @property
+    def autocast_on(self) -> bool:
+        return self.casting is not None and self.casting.autocast is not None
+
+    @property
+    def mode_on(self) -> bool:
+        return self.casting is not None and bool(self.casting.table)
+
+    def is_island(self, site: ModuleSite) -> bool:
+        """Pinned, and either autocast runs around it or its params differ from around it."""
+        return site.pin is not None and (
+            self.autocast_on or (self.cast_params and site.pin != site.outer)
+        )
+
+    def install(self, model: nn.Module) -> None:
+        """Register the root's boundary hooks and every island/context hook."""
+        root = self.sites[0]
+        self._root_island = self.is_island(root)
+        self._root_context = self.mode_on and root.has_rule
+        if self._root_island:
+            self.input_dtype = torch_dtype(root.dtype)
+        handles = self._handles
+        handles.append(
+            model.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True)
+        )
+        handles.append(model.register_forward_hook(self._root_post, always_call=True))
+        for site in self.sites[1:]:
+            island, context = self.is_island(site), self.mode_on and site.has_rule
+            if island or context:
+                hooks = _SiteHooks(self, site, island=island, context=context)
+                handles.append(site.module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
+                handles.append(site.module.register_forward_hook(hooks.post, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _stack(self) -> list[Any]:
+        return _hooks_local.stack
+
+    def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        undo: list[Any] = []
+        try:
+            if self.casting is not None:
+                self.casting.enter()
+                undo.append(self.casting.exit)
+            if self._root_island or self._root_context:
+                undo.extend(_enter_site(self, self.sites[0], island=self._root_island))
+        except BaseException:
+            for step in reversed(undo):
+                step()
+            raise
+        self._stack().append((module, undo))
+        dtype = self.input_dtype
+        if dtype is not None:
+            return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        return None
+
+    def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        stack = self._stack()
+        if stack and stack[-1][0] is module:
+            for step in reversed(stack.pop()[1]):
+                step()
+        if output is None:
+            return None
+        return cast_floating(output, self.output_dtype)
+
+
+def _enter_site(owner: ModelCasting, site: ModuleSite, *, island: bool) -> list[Any]:
+    """Push the site's decision context and/or turn autocast off; return the undo steps."""
+    undo: list[Any] = []
+    casting = owner.casting
+    if casting is not None and casting.table and site.has_rule:
+        contexts = context_stack()
+        contexts.append(site.context)
+        undo.append(contexts.pop)
+    if island and casting is not None and casting.autocast is not None:
+        saved = [(dt, torch.is_autocast_enabled(dt)) for dt in casting.device_types]
+        for dt, enabled in saved:
+            if enabled:
+                torch.set_autocast_enabled(dt, False)
+
+        def restore() -> None:
+            for dt, enabled in saved:
+                if enabled:
+                    torch.set_autocast_enabled(dt, True)
+
+        undo.append(restore)
+    return undo
+
+
+class _SiteHooks:
+    """Forward pre/post hooks of one island or context module."""
+
+    def __init__(
+        self, owner: ModelCasting, site: ModuleSite, *, island: bool, context: bool
+    ) -> None:
+        self.owner = owner
+        self.site = site
+        self.island = island
+        self.context = context
+        self.pin = torch_dtype(site.pin) if island and site.pin is not None else None
+        self.cast_back = (
+            torch_dtype(site.outer)
+            if island and not owner.autocast_on and site.pin != site.outer and owner.cast_params
+            else None
+        )
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        undo = _enter_site(self.owner, self.site, island=self.island)
+        self.owner._stack().append((module, undo))
+        if self.pin is not None:
+            return cast_floating(args, self.pin), cast_floating(kwargs, self.pin)
+        return None
+
+    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        stack = self.owner._stack()
+        if stack and stack[-1][0] is module:
+            for step in reversed(stack.pop()[1]):
+                step()
+        if self.cast_back is not None and output is not None:
+            return cast_floating(output, self.cast_back)
+        return None

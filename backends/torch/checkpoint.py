@@ -1,0 +1,140 @@
+"""Checkpoints: ``model.state_dict()`` holds exact float32 values whatever the opt level.
+
+Two hooks on each wrapped model:
+
+- a state-dict post-hook puts each parameter's float32 master in place of the
+  low-precision parameter (exact values, never upcast float16), and upcasts what has no
+  master (O3's parameters, cast buffers) to float32, using the buffer's original float32
+  value when the buffer was not changed since wrap. A parameter that no longer equals its
+  master rounded to its dtype was changed outside ``optimizer.step()`` (an EMA update, a
+  re-initialisation): its own value, upcast, is saved instead of the stale master;
+- a load pre-hook writes the incoming values into the masters first; PyTorch's loader then
+  copies them into the model parameters, casting to their dtype.
+
+So a wrapped model loads a plain float32 state dict, and a plain model loads a wrapped
+model's state dict. ``optimizer.state_dict()`` carries the loss-scaler state, the step
+tracker and the resolved policy (:mod:`mixprec_torch.optimizer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import CheckpointError
+
+__all__ = ["ModelCheckpoint"]
+
+
+class ModelCheckpoint:
+    """The state-dict hooks of one wrapped model.
+
+    :param model: the root module.
+    :param masters: id(param) -> master, for parameters with a separate float32 copy.
+    :param buffers: (qualified module name, buffer name) -> the buffer's float32 value from
+        before it was cast at wrap time.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        masters: dict[int, torch.Tensor],
+        buffers: dict[tuple[str, str], torch.Tensor],
+    ) -> None:
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        self.masters = {id(p): masters[id(p)] for p in self.params.values() if id(p) in masters}
+        modules = dict(model.named_modules(remove_duplicate=False))
+        self.buffers: dict[str, tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = {}
+        for (mname, bname), original in buffers.items():
+            module = modules[mname]
+            current = module._buffers[bname]
+            if current is None:
+                continue
+            key = f"{mname}.{bname}" if mname else bname
+            self.buffers[key] = (module, bname, original, current, current._version)
+        self._handles = [
+            model.register_state_dict_post_hook(_Hook(self, "save_hook")),
+            model.register_load_state_dict_pre_hook(_Hook(self, "load_hook")),
+        ]
+
+    def save_hook(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        for name, param in self.params.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+                continue  # absent, or keep_vars=True: the caller asked for the live objects
+            master = self.masters.get(id(param))
+            if master is not None and _rounds_to(master, param):
+                state_dict[key] = master.detach()
+            elif value.is_floating_point() and value.dtype != torch.float32:
+                state_dict[key] = value.float()
+        for name, (mod, bname, original, cast, version) in self.buffers.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            current = mod._buffers.get(bname)
+            if current is cast and current._version == version:
+                state_dict[key] = original
+            elif value.is_floating_point() and value.dtype != torch.float32:
+                state_dict[key] = value.float()
+
+    def load_hook(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise CheckpointError(
+                "load_state_dict(..., assign=True) would replace the parameters mixprec "
+                "converted (and the optimizer's masters would stop tracking them); load "
+                "without assign=True: values are copied and cast into the wrapped model"
+            )
+        with torch.no_grad():
+            for name, param in self.params.items():
+                master = self.masters.get(id(param))
+                value = state_dict.get(prefix + name)
+                if master is None or not isinstance(value, torch.Tensor):
+                    continue
+                if value.shape == master.shape:  # a mismatch is reported by the loader
+                    master.copy_(value)
+            for name, entry in list(self.buffers.items()):
+                value = state_dict.get(prefix + name)
+                mod, bname, original, cast, _ = entry
+                if isinstance(value, torch.Tensor) and value.shape == original.shape:
+                    fresh = value.detach().to(device=original.device, dtype=original.dtype).clone()
+                    # the loader copies the value into the buffer next, bumping its version once
+                    self.buffers[name] = (mod, bname, fresh, cast, cast._version + 1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class _Hook:
+    """A hook object (torch marks state-dict hooks with an attribute; methods take none)."""
+
+    def __init__(self, owner: ModelCheckpoint, method: str) -> None:
+        self.owner = owner
+        self.method = method
+
+    def __call__(self, *args: Any) -> None:
+        getattr(self.owner, self.method)(*args)
+
+
+def _rounds_to(master: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``param`` still equals ``master`` rounded to the param's dtype."""
+    if master.shape != param.shape:
+        return False
+    return bool(torch.equal(master.detach().to(param.dtype), param.detach()))

@@ -1,0 +1,56 @@
+"""Canonical dtype names (mixprec's strings) to and from ``torch.dtype``.
+
+The core speaks in strings (``"float32"``, ``"bfloat16"``); torch code needs
+``torch.dtype`` objects. Both directions are table lookups, so the hot path (the op-casting
+mode asks for the dtype of every floating input) stays cheap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.dtypes import canonical_dtype
+from mixprec.errors import UnsupportedDtypeError
+
+__all__ = ["FLOATING", "dtype_name", "is_floating", "torch_dtype"]
+
+_TO_TORCH: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    _dtype = getattr(torch, _name, None)
+    if isinstance(_dtype, torch.dtype):
+        _TO_TORCH[_name] = _dtype
+
+_FROM_TORCH: dict[torch.dtype, str] = {dtype: name for name, dtype in _TO_TORCH.items()}
+
+#: The torch floating dtypes mixprec reasons about (others, like complex, are left alone).
+FLOATING: frozenset[torch.dtype] = frozenset(_FROM_TORCH)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The ``torch.dtype`` for a dtype name in any spelling mixprec accepts (``"bf16"``)."""
+    canonical = canonical_dtype(name)
+    try:
+        return _TO_TORCH[canonical]
+    except KeyError:
+        raise UnsupportedDtypeError(
+            f"torch {torch.__version__} has no dtype {canonical!r}; choose one of "
+            f"{', '.join(sorted(_TO_TORCH))}"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical name of a floating ``torch.dtype`` (``torch.half`` -> ``"float16"``)."""
+    try:
+        return _FROM_TORCH[dtype]
+    except KeyError:
+        return canonical_dtype(str(dtype))
+
+
+def is_floating(dtype: torch.dtype) -> bool:
+    """True for the floating dtypes mixprec casts (float64/32/16, bfloat16, float8)."""
+    return dtype in _FROM_TORCH
