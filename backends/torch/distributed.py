@@ -1,0 +1,319 @@
+"""Distributed training with mixprec on PyTorch: DDP and FSDP2, every rank skipping together.
+
+The one rule
+    An overflow on *any* rank must skip the step on *every* rank, or the replicas drift
+    apart. :func:`all_reduce_found_inf` makes the per-rank ``found_inf`` flag global (one
+    MAX all-reduce of a one-element tensor per step); the optimizer step calls it right after
+    unscaling, before it decides to skip, whenever ``torch.distributed`` is initialised.
+    Under DDP the gradients are already averaged, so an inf usually reaches every rank anyway;
+    the reduction makes the decision identical even when it does not (an inf produced after
+    the all-reduce, a ``no_sync`` step). Under FSDP2 it is essential: after the
+    reduce-scatter each rank sees only its own gradient shard.
+
+DDP recipe
+    Wrap first, then hand the converted model to DDP, so that DDP builds its gradient buckets
+    over the parameters in their final dtype::
+
+        model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2-bf16")
+        ddp_model = DistributedDataParallel(model)
+        register_ddp_reduce_hook(ddp_model, policy)   # optional: reduce in policy.reduce
+
+    DDP reduces gradients in the dtype of the parameters (bfloat16 under O2-bf16). The
+    optional :func:`register_ddp_reduce_hook` makes the all-reduce run in the policy's
+    ``reduce`` dtype instead (float32 by default), which is what the policy promises.
+
+FSDP2 recipe (``torch.distributed.fsdp.fully_shard``)
+    FSDP2 already does module-level mixed precision: it keeps the *sharded* parameters in
+    their original dtype, casts them to ``param_dtype`` when it gathers them for forward and
+    backward, reduce-scatters gradients in ``reduce_dtype`` and leaves float32 gradients on
+    the float32 shards. Those sharded float32 parameters are exactly what mixprec's master
+    weights would be, so under FSDP2 mixprec does not cast parameters and keeps no copies:
+
+        fully_shard_with_policy(model, policy, blocks=model.layers)   # 1. shard (fp32 model)
+        optimizer = torch.optim.AdamW(model.parameters())              # 2. optimizer on shards
+        model, optimizer = mixprec.torch.wrap(model, optimizer, policy=policy)   # 3. wrap
+
+    ``wrap`` recognises a model managed by FSDP2 (:func:`is_fsdp_managed`: an
+    ``FSDPModule`` inside it or ``DTensor`` parameters) and then leaves parameter dtypes,
+    master weights and the model-boundary casts to FSDP; it keeps what FSDP does not do:
+    op-level casting for O1 policies (``torch.autocast`` inside the sharded modules works as
+    usual), loss scaling, unscaling the local gradient shards (:func:`local_tensor`), the
+    found_inf all-reduce and the skip. Calling ``wrap`` *before* ``fully_shard`` is not
+    supported: ``fully_shard`` replaces the parameters, so any masters would point at
+    parameters the model no longer uses.
+
+    Modules the policy pins to another dtype (``*BatchNorm*`` to float32 under O1/O2) get a
+    ``fully_shard`` of their own with that ``param_dtype`` and an ``output_dtype`` equal to
+    the dtype around them, so the next low-precision layer receives the dtype it expects.
+
+    Under O3 (no masters) the shards keep the dtype the model had when it was sharded: shard a
+    float32 model and FSDP's float32 shards still act as masters; cast the model first
+    (``model.to(torch.bfloat16)``) for a pure low-precision run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mixprec.dtypes import widest
+from mixprec.errors import PolicyError, WrapError
+from mixprec.presets import get_policy
+
+from .dtypes import torch_dtype
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from mixprec.policy import Policy
+
+__all__ = [
+    "all_reduce_found_inf",
+    "ddp_reduce_hook",
+    "fsdp_mixed_precision_policy",
+    "fsdp_policy_of",
+    "fully_shard_with_policy",
+    "is_distributed",
+    "is_fsdp_managed",
+    "local_tensor",
+    "register_ddp_reduce_hook",
+]
+
+# Attribute set on a root sharded by fully_shard_with_policy, so that wrap can check that it
+# is given the same policy.
+_POLICY_ATTR = "_mixprec_fsdp_policy"
+# Attribute wrap sets on the models it converted (mixprec_torch.wrapping's ModelRecord).
+_WRAPPED_ATTR = "_mixprec"
+
+
+def is_distributed(group: Any | None = None) -> bool:
+    """True when ``torch.distributed`` is initialised here and ``group`` has several ranks."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    return bool(torch.distributed.get_world_size(group) > 1)
+
+
+def all_reduce_found_inf(found_inf: torch.Tensor, group: Any | None = None) -> torch.Tensor:
+    """Make ``found_inf`` global: all-reduce it with MAX across ``group``, in place.
+
+    ``found_inf`` is the float, one-element flag the unscale wrote (``1.0`` when a gradient
+    on this rank was inf or NaN). After the call every rank holds the same value, so every
+    rank takes the same skip decision. One collective per step; the call itself does not
+    synchronise with the host (under NCCL it is queued on the stream like any kernel).
+
+    Without ``torch.distributed``, before ``init_process_group``, or with a single rank,
+    the tensor is returned unchanged. ``group`` defaults to the default process group.
+    """
+    if is_distributed(group):
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=group)
+    return found_inf
+
+
+# --------------------------------------------------------------------------------------------
+# DTensor / FSDP2 detection
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - builds without distributed
+        return None
+    return DTensor
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - builds without distributed
+        return None
+    return FSDPModule
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: the local shard of a ``DTensor``, else itself.
+
+    The local shard shares storage with the ``DTensor``, so in-place unscaling of
+    ``local_tensor(p.grad)`` unscales the sharded gradient. Unscale shards, never the
+    ``DTensor`` itself: a foreach kernel on ``DTensor`` gradients makes DTensor replicate the
+    one-element ``found_inf`` implicitly (with a warning and a hidden collective).
+    """
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        return tensor.to_local()  # type: ignore[no-any-return, attr-defined]
+    return tensor
+
+
+def is_fsdp_managed(module: torch.nn.Module) -> bool:
+    """True when FSDP2 manages ``module`` or a part of it (``FSDPModule`` or DTensor params).
+
+    ``wrap`` uses this to leave parameter dtypes, master weights and boundary casts to FSDP.
+    """
+    fsdp_module = _fsdp_module_type()
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in module.modules()):
+        return True
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters())
+
+
+def fsdp_policy_of(module: torch.nn.Module) -> Policy | None:
+    """The mixprec ``Policy`` :func:`fully_shard_with_policy` sharded ``module`` with, if any."""
+    return getattr(module, _POLICY_ATTR, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Policy translation
+
+
+def _resolved_policy(policy: Any) -> Policy:
+    """A concrete ``Policy`` from a Policy, preset name, key string or mapping."""
+    resolved = get_policy(policy)
+    if not resolved.is_resolved:
+        raise PolicyError(
+            f"policy {str(resolved)!r} still has compute='auto'; FSDP needs concrete dtypes. "
+            "Pass a preset such as 'O2-bf16', or resolve it first with "
+            "mixprec.resolve_auto(policy, mixprec.torch.capabilities().preferred_lowp(device))."
+        )
+    return resolved
+
+
+def fsdp_mixed_precision_policy(
+    policy: Any,
+    *,
+    param: str | None = None,
+    output: str | None = None,
+    cast_forward_inputs: bool = True,
+) -> MixedPrecisionPolicy:
+    """Translate a mixprec policy into FSDP2's ``MixedPrecisionPolicy``.
+
+    ``param`` → ``param_dtype`` (the dtype FSDP gathers parameters in and computes with),
+    ``reduce`` → ``reduce_dtype`` (the reduce-scatter dtype), ``output`` → ``output_dtype``;
+    ``cast_forward_inputs`` stays on so floating inputs meet parameters of their dtype.
+    ``param``/``output`` override the policy's dtypes (used for pinned modules). ``policy``
+    may be a ``Policy`` or anything ``mixprec.get_policy`` accepts, but not unresolved
+    ``auto``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    resolved = _resolved_policy(policy)
+    return MixedPrecisionPolicy(
+        param_dtype=torch_dtype(param or resolved.param),
+        reduce_dtype=torch_dtype(resolved.reduce),
+        output_dtype=torch_dtype(output or resolved.output),
+        cast_forward_inputs=cast_forward_inputs,
+    )
+
+
+def _class_names(module: torch.nn.Module) -> list[str]:
+    # The MRO, so a subclass of BatchNorm2d still matches "*BatchNorm*".
+    return [cls.__name__ for cls in type(module).__mro__ if cls is not object]
+
+
+def fully_shard_with_policy(
+    module: torch.nn.Module,
+    policy: Any,
+    *,
+    blocks: Iterable[torch.nn.Module] = (),
+    **fully_shard_kwargs: Any,
+) -> torch.nn.Module:
+    """Apply FSDP2's ``fully_shard`` to ``module`` with the mixed precision ``policy`` says.
+
+    Shards bottom-up: each of ``blocks`` (for example the transformer layers) with the policy's
+    dtypes, each module the policy pins to another dtype (``*BatchNorm*`` → float32 under
+    O1/O2) with that dtype and ``output_dtype`` equal to the dtype around it, and finally
+    ``module`` itself with ``output_dtype = policy.output``. ``fully_shard_kwargs``
+    (``mesh``, ``reshard_after_forward``, ...) go to every ``fully_shard`` call. Returns
+    ``module`` (sharded in place). Create the optimizer afterwards, from
+    ``module.parameters()``, then call ``mixprec.torch.wrap(module, optimizer, policy)``.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if any(hasattr(m, _WRAPPED_ATTR) for m in module.modules()):
+        raise WrapError(
+            "fully_shard_with_policy got a model already converted by mixprec.torch.wrap; "
+            "fully_shard replaces the parameters, so shard first, then create the optimizer, "
+            "then wrap: fully_shard_with_policy(model, policy); optimizer = ...; "
+            "model, optimizer = mixprec.torch.wrap(model, optimizer, policy)"
+        )
+    resolved = _resolved_policy(policy)
+    block_ids = {id(b) for b in blocks}
+    # Decide everything before sharding: fully_shard changes class names (FSDPLinear...).
+    plan: list[tuple[torch.nn.Module, str, str]] = []  # (module, param dtype, output dtype)
+
+    def visit(name: str, mod: torch.nn.Module, outer: str) -> None:
+        pinned = resolved.module_dtype(name or None, _class_names(mod)) if name else None
+        own = pinned or outer
+        for child_name, child in mod.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, own)
+        if not name:
+            return
+        has_params = any(True for _ in mod.parameters())
+        if has_params and (own != outer or id(mod) in block_ids):
+            plan.append((mod, own, outer))
+
+    visit("", module, resolved.param)
+    for mod, param, outer in plan:
+        mp = fsdp_mixed_precision_policy(resolved, param=param, output=outer)
+        if param != resolved.param:
+            # A pinned island: reduce at least as wide as it computes.
+            mp = type(mp)(
+                param_dtype=mp.param_dtype,
+                reduce_dtype=torch_dtype(widest([param, resolved.reduce])),
+                output_dtype=mp.output_dtype,
+                cast_forward_inputs=True,
+            )
+        fully_shard(mod, mp_policy=mp, **fully_shard_kwargs)
+    fully_shard(module, mp_policy=fsdp_mixed_precision_policy(resolved), **fully_shard_kwargs)
+    setattr(module, _POLICY_ATTR, resolved)
+    return module
+
+
+# --------------------------------------------------------------------------------------------
+# DDP gradient reduction dtype
+
+
+def ddp_reduce_hook(
+    policy: Any,
+) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
+    """A DDP communication hook that all-reduces each bucket in ``policy.reduce``.
+
+    The bucket is cast to the reduce dtype, summed across ranks, divided by the world size
+    (DDP's averaging) and cast back into the bucket. Buckets already in the reduce dtype are
+    reduced in place without copies. Register with ``ddp_model.register_comm_hook(group,
+    hook)`` or use :func:`register_ddp_reduce_hook`.
+    """
+    reduce_dtype = torch_dtype(_resolved_policy(policy).reduce)
+
+    def hook(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        group = group if group is not None else torch.distributed.group.WORLD
+        world = torch.distributed.get_world_size(group)
+        buffer: torch.Tensor = bucket.buffer()
+        wire = buffer if buffer.dtype == reduce_dtype else buffer.to(reduce_dtype)
+        wire.div_(world)
+        work = torch.distributed.all_reduce(wire, group=group, async_op=True)
+
+        def back(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            if wire is not buffer:
+                buffer.copy_(wire)
+            return buffer
+
+        return work.get_future().then(back)  # type: ignore[no-any-return]
+
+    # DDP inspects the hook's annotations and compares them with the real classes; with
+    # postponed evaluation (``from __future__ import annotations``) they would be strings.
+    hook.__annotations__ = {
+        "group": Any,
+        "bucket": torch.distributed.GradBucket,  # type: ignore[attr-defined]
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    return hook
+
+
+def register_ddp_reduce_hook(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    policy: Any,
+    group: Any | None = None,
+) -> None:
+    """Make ``ddp_model`` reduce gradients in ``policy.reduce`` (see :func:`ddp_reduce_hook`)."""
+    ddp_model.register_comm_hook(group, ddp_reduce_hook(policy))

@@ -1,0 +1,286 @@
+"""One rank of the distributed tests: ``python _dist_workers.py SCENARIOS RANK WORLD WORKDIR``.
+
+Started by ``tests/torch/test_distributed.py``, one process per rank. Rank 0 opens a
+``TCPStore`` on 127.0.0.1 with a port the OS picks and publishes the port in ``WORKDIR``;
+the other ranks read it from there (no port race). Every rank joins a gloo process group,
+runs the scenarios (comma-separated names), writes ``WORKDIR/rank<RANK>.json`` and destroys
+the group. The test process compares the ranks' results. One launch serves all the tests:
+starting a rank (importing torch) costs more than the scenarios themselves.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import mixprec.torch as mpt
+from mixprec_torch.distributed import fully_shard_with_policy, register_ddp_reduce_hook
+
+TIMEOUT = datetime.timedelta(seconds=30)
+Result = dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------------
+# process group
+
+
+def _store(rank: int, world: int, workdir: Path) -> dist.TCPStore:
+    port_file = workdir / "port"
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False
+        )
+        tmp = workdir / "port.tmp"
+        tmp.write_text(str(store.port))
+        tmp.rename(port_file)  # atomic: readers never see a half-written port
+        return store
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 never published its store port")
+        time.sleep(0.02)
+    port = int(port_file.read_text())
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
+    )
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    return torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+
+
+def values(tensors: list[torch.Tensor]) -> list[list[float]]:
+    from mixprec_torch.distributed import local_tensor
+
+    return [local_tensor(t).detach().float().flatten().tolist() for t in tensors]
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    inject_inf: bool = False,
+) -> float:
+    """One user-style step; ``inject_inf`` puts an inf into this rank's first gradient after
+    the gradient reduction, so only this rank can see it."""
+    from mixprec_torch.distributed import local_tensor
+
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    with mpt.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    if inject_inf:
+        grad = next(p.grad for p in model.parameters() if p.grad is not None)
+        local_tensor(grad).view(-1)[0] = math.inf
+    optimizer.step()
+    return loss.detach().item()
+
+
+def state_of(optimizer: torch.optim.Optimizer) -> Result:
+    st = mpt.state(optimizer)
+    return {
+        "loss_scale": float(st.loss_scale),
+        "skipped_steps": int(st.skipped_steps),
+        "last_step_skipped": bool(st.last_step_skipped),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# scenarios
+
+
+def ddp_skip(rank: int, world: int) -> Result:
+    """O2 float16 under DDP; rank 1 alone sees an inf at step 1: every rank must skip it."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O2")
+    ddp = DistributedDataParallel(model)
+    x, y = batch(rank)
+    out: Result = {"scale_init": state_of(optimizer)["loss_scale"]}
+    train_step(ddp, optimizer, x, y)
+    out["after_first"] = state_of(optimizer)
+    before_params = values(list(model.parameters()))
+    before_masters = values(list(mpt.master_params(optimizer)))
+    train_step(ddp, optimizer, x, y, inject_inf=rank == 1)
+    out["after_inf"] = state_of(optimizer)
+    out["unchanged_by_skip"] = values(list(model.parameters())) == before_params and (
+        values(list(mpt.master_params(optimizer))) == before_masters
+    )
+    out["params_after_skip"] = values(list(model.parameters()))
+    for _ in range(2):
+        train_step(ddp, optimizer, x, y)
+    out["final"] = state_of(optimizer)
+    out["params_final"] = values(list(model.parameters()))
+    out["masters_final"] = values(list(mpt.master_params(optimizer)))
+    return out
+
+
+def ddp_bf16(rank: int, world: int) -> Result:
+    """O2-bf16 (reducing in policy.reduce through the comm hook) and O1-bf16 under DDP."""
+    out: Result = {}
+    for policy, hook in (("O2-bf16", True), ("O1-bf16", False)):
+        model = make_model()
+        initial = values(list(model.parameters()))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, optimizer = mpt.wrap(model, optimizer, policy=policy)
+        ddp = DistributedDataParallel(model)
+        if hook:
+            register_ddp_reduce_hook(ddp, policy)
+        x, y = batch(rank)
+        losses = [train_step(ddp, optimizer, x, y) for _ in range(4)]
+        params = values(list(model.parameters()))
+        out[policy] = {
+            "losses": losses,
+            "params": params,
+            "moved": params != initial,
+            "param_dtypes": [str(p.dtype) for p in model.parameters()],
+            "state": state_of(optimizer),
+        }
+    return out
+
+
+def record_dtypes(model: torch.nn.Module) -> dict[str, str]:
+    """Record the input and output dtype of the first Linear, the BatchNorm and the head."""
+    seen: dict[str, str] = {}
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            seen[f"{name}.in"] = str(args[0].dtype)
+            seen[f"{name}.out"] = str(output.dtype)
+
+        return hook
+
+    for name, module in (("linear", model[0]), ("bn", model[1]), ("head", model[3])):
+        module.register_forward_hook(record(name))
+    return seen
+
+
+def full_params(model: torch.nn.Module) -> list[list[float]]:
+    """Every parameter gathered from its shards: the model every rank must agree on."""
+    return [
+        p.full_tensor().float().flatten().tolist()  # type: ignore[attr-defined]
+        for p in model.parameters()
+    ]
+
+
+def fsdp_bf16(rank: int, world: int) -> Result:
+    """FSDP2 on CPU under O2-bf16 with the BatchNorm pinned to float32; rank 1 alone sees an
+    inf in its gradient shard at step 1: every rank must skip it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = make_model()
+    seen = record_dtypes(model)
+    fully_shard_with_policy(model, "O2-bf16")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O2-bf16")
+    x, y = batch(rank)
+    out: Result = {
+        "bn_sharded_separately": isinstance(model[1], FSDPModule),
+        "shard_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "masters_are_params": all(
+            m is p for m, p in zip(mpt.master_params(optimizer), model.parameters(), strict=True)
+        ),
+    }
+    train_step(model, optimizer, x, y)
+    out["dtypes_seen"] = dict(seen)
+    before = values(list(model.parameters()))
+    train_step(model, optimizer, x, y, inject_inf=rank == 1)
+    out["after_inf"] = state_of(optimizer)
+    out["unchanged_by_skip"] = values(list(model.parameters())) == before
+    for _ in range(2):
+        train_step(model, optimizer, x, y)
+    out["final"] = state_of(optimizer)
+    out["moved_after_skip"] = values(list(model.parameters())) != before
+    out["full_params"] = full_params(model)
+    return out
+
+
+def fsdp_o1_bf16(rank: int, world: int) -> Result:
+    """FSDP2 under O1-bf16: FSDP only shards (float32 everywhere), mixprec casts per op."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = make_model()
+    seen = record_dtypes(model)
+    fully_shard_with_policy(model, "O1-bf16")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O1-bf16")
+    x, y = batch(rank)
+    before = full_params(model)
+    losses = [train_step(model, optimizer, x, y) for _ in range(3)]
+    return {
+        "bn_sharded_separately": isinstance(model[1], FSDPModule),
+        "shard_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "dtypes_seen": dict(seen),
+        "losses": losses,
+        "state": state_of(optimizer),
+        "moved": full_params(model) != before,
+        "full_params": full_params(model),
+    }
+
+
+SCENARIOS: dict[str, Callable[[int, int], Result]] = {
+    "ddp_skip": ddp_skip,
+    "ddp_bf16": ddp_bf16,
+    "fsdp_bf16": fsdp_bf16,
+    "fsdp_o1_bf16": fsdp_o1_bf16,
+}
+
+
+def main(argv: list[str]) -> int:
+    """Run the comma-separated scenarios in order in one process group; record each one's
+    result, warnings, or traceback. After a failure the rest are not run: the other ranks may
+    be stuck in a collective this rank will never join."""
+    names, rank, world, workdir = argv[0].split(","), int(argv[1]), int(argv[2]), Path(argv[3])
+    torch.set_num_threads(1)
+    store = _store(rank, world, workdir)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    results: dict[str, Result] = {}
+    try:
+        for name in names:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    result = SCENARIOS[name](rank, world)
+                except Exception:
+                    results[name] = {"error": traceback.format_exc()}
+                    break
+            result["warnings"] = [
+                f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
+            ]
+            results[name] = result
+    finally:
+        (workdir / f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    sys.exit(main(sys.argv[1:]))

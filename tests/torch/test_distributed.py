@@ -1,0 +1,278 @@
+"""Distributed behaviour of the torch backend: DDP and FSDP2 ranks skip and train together.
+
+The multi-rank tests start two real processes (``_dist_workers.py``) that join a gloo process
+group on 127.0.0.1 and compare what each rank saw. The in-process tests check the helpers'
+single-process behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mixprec  # noqa: E402
+import mixprec.torch  # noqa: E402
+from mixprec_torch.distributed import (  # noqa: E402
+    all_reduce_found_inf,
+    fsdp_mixed_precision_policy,
+    fsdp_policy_of,
+    fully_shard_with_policy,
+    is_distributed,
+    is_fsdp_managed,
+    local_tensor,
+)
+
+pytestmark = pytest.mark.torch
+
+WORKER = Path(__file__).with_name("_dist_workers.py")
+WORLD = 2
+needs_gloo = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with gloo is not available in this build",
+)
+
+
+def run_ranks(scenarios: list[str], workdir: Path, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Run ``scenarios`` on WORLD processes; each rank's results by scenario, rank 0 first."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="")
+    # The ranks exercise the torch backend only: spare each of them loading the other backends.
+    env["MIXPREC_DISABLE_PLUGINS"] = "mxnet"
+    command = [sys.executable, str(WORKER), ",".join(scenarios)]
+    procs = []
+    logs = []
+    for rank in range(WORLD):
+        log = (workdir / f"rank{rank}.log").open("w")
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [*command, str(rank), str(WORLD), str(workdir)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        )
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)  # the ranks run concurrently: one shared budget is enough
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    if failed:
+        output = "\n".join(
+            f"--- rank {rank} (exit {procs[rank].returncode}) ---\n"
+            + (workdir / f"rank{rank}.log").read_text()[-4000:]
+            for rank in range(WORLD)
+        )
+        pytest.fail(f"rank(s) {failed} failed or timed out\n{output}")
+    return [json.loads((workdir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """All scenarios, run once by WORLD ranks that share one process group."""
+    return run_ranks(
+        ["ddp_skip", "ddp_bf16", "fsdp_bf16", "fsdp_o1_bf16"], tmp_path_factory.mktemp("ranks")
+    )
+
+
+def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Each rank's result for ``name``; fails with the rank's traceback or warnings."""
+    results = []
+    for rank, by_name in enumerate(ranks):
+        result = by_name.get(name)
+        if result is None:
+            pytest.fail(f"{name} did not run on rank {rank} (an earlier scenario failed)")
+        if "error" in result:
+            pytest.fail(f"{name} failed on rank {rank}:\n{result['error']}")
+        assert result.pop("warnings") == [], f"{name} warned on rank {rank}"
+        results.append(result)
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# two ranks
+
+
+@needs_gloo
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ddp_inf_on_one_rank_skips_the_step_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(ranks, "ddp_skip")
+    for r in (r0, r1):
+        assert r["after_first"]["skipped_steps"] == 0
+        assert r["after_inf"] == {
+            "loss_scale": r["scale_init"] * 0.5,  # backed off on both ranks
+            "skipped_steps": 1,
+            "last_step_skipped": True,
+        }
+        assert r["unchanged_by_skip"], "a skipped step changed the weights"
+        assert r["final"]["skipped_steps"] == 1
+        assert not r["final"]["last_step_skipped"]
+        assert r["params_final"] != r["params_after_skip"], "training did not continue"
+    assert r0["params_after_skip"] == r1["params_after_skip"]
+    assert r0["params_final"] == r1["params_final"]
+    assert r0["masters_final"] == r1["masters_final"]
+
+
+@needs_gloo
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ddp_bf16_policies_keep_ranks_identical(ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(ranks, "ddp_bf16")
+    for policy in ("O2-bf16", "O1-bf16"):
+        a, b = r0[policy], r1[policy]
+        assert a["moved"] and b["moved"]
+        assert a["params"] == b["params"], f"{policy}: ranks diverged"
+        assert a["losses"] != b["losses"]  # they did see different data
+        assert a["state"]["skipped_steps"] == b["state"]["skipped_steps"] == 0
+    assert r0["O2-bf16"]["param_dtypes"] == [
+        "torch.bfloat16", "torch.bfloat16",  # Linear
+        "torch.float32", "torch.float32",  # BatchNorm pinned to float32
+        "torch.bfloat16", "torch.bfloat16",  # Linear
+    ]  # fmt: skip
+    assert set(r0["O1-bf16"]["param_dtypes"]) == {"torch.float32"}
+
+
+@needs_gloo
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_fsdp2_bf16_trains_and_skips_together(ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(ranks, "fsdp_bf16")
+    for r in (r0, r1):
+        assert r["bn_sharded_separately"]
+        assert r["shard_dtypes"] == ["torch.float32"]  # FSDP's fp32 shards are the masters
+        assert r["masters_are_params"]
+        assert r["dtypes_seen"] == {
+            "linear.in": "torch.bfloat16",
+            "linear.out": "torch.bfloat16",
+            "bn.in": "torch.float32",  # the pinned island computes in float32 ...
+            "bn.out": "torch.float32",  # ... and FSDP casts its output back to bfloat16
+            "head.in": "torch.bfloat16",
+            "head.out": "torch.bfloat16",  # the root casts the model output to float32
+        }
+        assert r["after_inf"]["skipped_steps"] == 1
+        assert r["after_inf"]["last_step_skipped"]
+        assert r["unchanged_by_skip"], "a skipped step changed the weights"
+        assert r["final"]["skipped_steps"] == 1
+        assert r["moved_after_skip"], "training did not continue"
+
+
+@needs_gloo
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_fsdp2_o1_bf16_shards_in_float32_and_casts_per_op(ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = scenario(ranks, "fsdp_o1_bf16")
+    for r in (r0, r1):
+        assert not r["bn_sharded_separately"]  # pinned to float32 like everything around it
+        assert r["shard_dtypes"] == ["torch.float32"]
+        assert r["dtypes_seen"]["linear.out"] == "torch.bfloat16"  # the op ran in bfloat16
+        assert r["dtypes_seen"]["bn.out"] == "torch.float32"
+        assert r["state"]["skipped_steps"] == 0
+        assert r["moved"]
+    assert r0["losses"] != r1["losses"]  # each rank trained on its own data
+
+
+# --------------------------------------------------------------------------------------------
+# one process
+
+
+def test_found_inf_is_returned_unchanged_without_a_process_group() -> None:
+    assert not is_distributed()
+    found_inf = torch.ones(1)
+    assert all_reduce_found_inf(found_inf) is found_inf
+    assert found_inf.item() == 1.0
+
+
+def test_plain_modules_and_tensors_are_not_fsdp() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert not is_fsdp_managed(model)
+    assert local_tensor(model.weight) is model.weight
+
+
+@pytest.mark.parametrize(
+    ("policy", "param", "reduce", "output"),
+    [
+        ("O2-bf16", torch.bfloat16, torch.float32, torch.float32),
+        ("O2", torch.float16, torch.float32, torch.float32),
+        ("O1-bf16", torch.float32, torch.float32, torch.float32),
+    ],
+)
+def test_policy_translates_to_fsdp_mixed_precision(
+    policy: str, param: Any, reduce: Any, output: Any
+) -> None:
+    mp = fsdp_mixed_precision_policy(policy)
+    assert mp.param_dtype == param
+    assert mp.reduce_dtype == reduce
+    assert mp.output_dtype == output
+    assert mp.cast_forward_inputs
+
+
+@pytest.fixture
+def one_rank_group() -> Any:
+    """A gloo process group of one rank in this process, destroyed afterwards."""
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@needs_gloo
+def test_fully_shard_with_policy_shards_blocks_and_pinned_islands(one_rank_group: Any) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model = torch.nn.Sequential(block, torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    seen: dict[str, torch.dtype] = {}
+    for name, module in (("linear", block[0]), ("bn", block[1]), ("block", block)):
+        module.register_forward_hook(lambda m, args, out, name=name: seen.update({name: out.dtype}))
+    fully_shard_with_policy(model, "O2-bf16", blocks=[block])
+
+    assert is_fsdp_managed(model)
+    assert not is_distributed()  # one rank: all_reduce_found_inf has nothing to do
+    assert [isinstance(m, FSDPModule) for m in (model, block, block[0], block[1])] == [
+        True, True, False, True,
+    ]  # fmt: skip
+    assert fsdp_policy_of(model) == mixprec.get_policy("O2-bf16")
+    out = model(torch.randn(3, 4))
+    assert seen == {
+        "linear": torch.bfloat16,
+        "bn": torch.float32,  # before FSDP casts the island's output back ...
+        "block": torch.bfloat16,  # ... to the block's dtype
+    }
+    assert out.dtype == torch.float32  # policy.output
+
+
+def test_sharding_a_model_wrap_already_converted_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2-bf16")
+    with pytest.raises(mixprec.WrapError, match="shard first"):
+        fully_shard_with_policy(model, "O2-bf16")
+
+
+def test_fsdp_refuses_an_unresolved_auto_policy() -> None:
+    with pytest.raises(mixprec.PolicyError, match="auto"):
+        fully_shard_with_policy(torch.nn.Linear(2, 2), "auto")
