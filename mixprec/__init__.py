@@ -51,6 +51,7 @@ _LAZY: dict[str, str] = {
     "ScaleEvent": "mixprec.events",
     "EventLog": "mixprec.events",
     "LossScaler": "mixprec.scaler",
+    "MixprecState": "mixprec.scaler",
     "StepTracker": "mixprec.step",
     "Stage": "mixprec.step",
     "MasterWeights": "mixprec.masters",
@@ -77,6 +78,7 @@ __all__ = [
     "LossScaler",
     "MasterWeights",
     "MixprecError",
+    "MixprecState",
     "MixprecWarning",
     "ModuleRule",
     "NoScale",
@@ -113,7 +115,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.plugins import list_backends
     from mixprec.policy import Decision, ModuleRule, OpRules, Policy
     from mixprec.presets import get_policy, load_toml, preset_names, resolve_auto
-    from mixprec.scaler import LossScaler
+    from mixprec.scaler import LossScaler, MixprecState
     from mixprec.step import Stage, StepTracker
 
 

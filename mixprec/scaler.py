@@ -9,15 +9,37 @@ losses of one model) share one :class:`LossScaler`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from mixprec.errors import CheckpointError
 from mixprec.events import EventLog
 from mixprec.loss_scale import LossScale, loss_scale_from_state_dict
 
-__all__ = ["LossScaler"]
+if TYPE_CHECKING:
+    from mixprec.policy import Policy
+
+__all__ = ["LossScaler", "MixprecState"]
 
 _COUNTERS = ("steps", "skipped_steps", "last_step_skipped")
+
+
+@dataclass(frozen=True)
+class MixprecState:
+    """A snapshot of one loss scaler, as every backend's ``state(...)`` returns it."""
+
+    loss_scale: float
+    """The scale the next backward pass is multiplied by."""
+    skipped_steps: int
+    """Steps skipped so far because gradients were not finite."""
+    last_step_skipped: bool
+    """Whether the latest step was skipped."""
+    steps: int
+    """Steps so far, skipped ones included."""
+    policy: Policy
+    """The resolved policy (``auto`` already turned into a preset)."""
+    events: EventLog
+    """The loss-scale event log (skips, backoffs, growths, floor hits)."""
 
 
 class LossScaler:
@@ -116,6 +138,17 @@ class LossScaler:
         self.steps = int(d["steps"])
         self.skipped_steps = int(d["skipped_steps"])
         self.last_step_skipped = bool(d["last_step_skipped"])
+
+    def snapshot(self, policy: Policy) -> MixprecState:
+        """This scaler's counters and events, with the ``policy`` they run under."""
+        return MixprecState(
+            loss_scale=self.scale,
+            skipped_steps=self.skipped_steps,
+            last_step_skipped=self.last_step_skipped,
+            steps=self.steps,
+            policy=policy,
+            events=self.events,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -45,7 +45,7 @@ __all__ = [
 
 _LAZY = {
     "Trainer": "mixprec_mxnet.trainer",
-    "MixprecState": "mixprec_mxnet.loop",
+    "MixprecState": "mixprec.scaler",
     "master_params": "mixprec_mxnet.loop",
     "resolve_policy": "mixprec_mxnet.devices",
     "scale_loss": "mixprec_mxnet.loop",
@@ -57,10 +57,11 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from mixprec.scaler import MixprecState
     from mixprec_mxnet.conformance import conformance_adapter
     from mixprec_mxnet.devices import capabilities, resolve_policy
     from mixprec_mxnet.dtypes import cast
-    from mixprec_mxnet.loop import MixprecState, master_params, scale_loss, state, unscale
+    from mixprec_mxnet.loop import master_params, scale_loss, state, unscale
     from mixprec_mxnet.trainer import Trainer
 
 

@@ -43,15 +43,16 @@ _LAZY = {
     "unscale_": "mixprec_torch.optimizer",
     "master_params": "mixprec_torch.optimizer",
     "state": "mixprec_torch.optimizer",
-    "MixprecState": "mixprec_torch.optimizer",
+    "MixprecState": "mixprec.scaler",
     "capabilities": "mixprec_torch.devices",
     "conformance_adapter": "mixprec_torch.conformance",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from mixprec.scaler import MixprecState
     from mixprec_torch.conformance import conformance_adapter
     from mixprec_torch.devices import capabilities
-    from mixprec_torch.optimizer import MixprecState, master_params, scale_loss, state, unscale_
+    from mixprec_torch.optimizer import master_params, scale_loss, state, unscale_
     from mixprec_torch.wrapping import wrap
 
 

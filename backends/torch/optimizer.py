@@ -34,15 +34,13 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mixprec.errors import CheckpointError, MixprecWarning, StepOrderError, WrapError
-from mixprec.events import EventLog
 from mixprec.policy import Policy
-from mixprec.scaler import LossScaler
+from mixprec.scaler import LossScaler, MixprecState
 from mixprec.step import Stage, StepTracker
 
 __all__ = [
@@ -60,24 +58,6 @@ __all__ = [
 
 _STATE_KEY = "mixprec"
 _FORMAT = 1
-
-
-@dataclass(frozen=True)
-class MixprecState:
-    """A snapshot of the loss-scaling state an optimizer belongs to (``state(optimizer)``)."""
-
-    loss_scale: float
-    """The scale the next backward pass is multiplied by."""
-    skipped_steps: int
-    """Steps (rounds) skipped so far because gradients were not finite."""
-    last_step_skipped: bool
-    """Whether the latest round skipped its step."""
-    steps: int
-    """Rounds so far, skipped ones included."""
-    policy: Policy
-    """The resolved policy of the wrap call (``auto`` already turned into a preset)."""
-    events: EventLog
-    """The loss-scale event log (skips, backoffs, growths); shared by the group."""
 
 
 class Round:
@@ -582,12 +562,4 @@ def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def state(optimizer: torch.optim.Optimizer) -> MixprecState:
     """Loss scale, skip counters, resolved policy and events of the optimizer's group."""
     st = optimizer_state(optimizer, "state")
-    scaler = st.group.scaler
-    return MixprecState(
-        loss_scale=scaler.scale,
-        skipped_steps=scaler.skipped_steps,
-        last_step_skipped=scaler.last_step_skipped,
-        steps=scaler.steps,
-        policy=st.group.policy,
-        events=scaler.events,
-    )
+    return st.group.scaler.snapshot(st.group.policy)
