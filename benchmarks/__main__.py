@@ -39,7 +39,8 @@ from benchmarks import (
     step_overhead,
     torch_step,
 )
-from benchmarks.runner import Case, JobResult, Measurement, Options, log, print_case, run_job
+from benchmarks.printing import print_case
+from benchmarks.runner import Case, JobResult, Measurement, Options, log, run_job
 from benchmarks.targets import evaluate_all, limit_text
 
 CASES: tuple[Case, ...] = (

@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runner import REPO_ROOT, Case, JobResult, find, fmt, table_rows
+from benchmarks.printing import find, fmt, table_rows
+from benchmarks.runner import REPO_ROOT, Case, JobResult
 from benchmarks.targets import TARGETS, Verdict, evaluate, limit_text
 
 TEMPLATE = Path(__file__).with_name("template.md")

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from benchmarks.printing import find
 from benchmarks.runner import (
     Case,
     Factory,
@@ -30,7 +31,6 @@ from benchmarks.runner import (
     JobResult,
     Options,
     compare,
-    find,
     fmt,
     setup_torch,
 )

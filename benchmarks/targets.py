@@ -20,7 +20,8 @@ from typing import Literal
 
 from benchmarks.accuracy import BASELINE, MIXED
 from benchmarks.mxnet_step import AMP
-from benchmarks.runner import Measurement, find, fmt
+from benchmarks.printing import find, fmt
+from benchmarks.runner import Measurement
 
 Kind = Literal["ratio", "value", "drop"]
 
