@@ -14,9 +14,14 @@ The loop::
 Modules (the MXNet backend uses the same names where it can): :mod:`.wrapping` (``wrap``:
 converting models and optimizers), :mod:`.casting` (parameter, boundary and island casting),
 :mod:`.autocast` (O1 op-level casting), :mod:`.ops` (neutral families to torch callables),
-:mod:`.optimizer` (the step), :mod:`.checkpoint` (state dicts), :mod:`.devices`
+:mod:`.optimizer` (patching optimizers), :mod:`.optimizer_state` (per-optimizer state and
+unscaling), :mod:`.step` (the patched step), :mod:`.loop` (``scale_loss``, ``unscale_``,
+``master_params``, ``state``), :mod:`.probes` (the op-family probe calls),
+:mod:`.checkpoint` (state dicts), :mod:`.devices`
 (``capabilities()``; not ``capabilities.py``, which would shadow the lazy function),
-:mod:`.dtypes`, :mod:`.distributed` (DDP/FSDP2), :mod:`.presets` (the ``torch-autocast``
+:mod:`.dtypes`, :mod:`.distributed` (DDP/FSDP2; its ``fully_shard_with_policy``,
+``fsdp_mixed_precision_policy``, ``register_ddp_reduce_hook`` and ``all_reduce_found_inf``
+are exported here too), :mod:`.presets` (the ``torch-autocast``
 presets), :mod:`.conformance` (the conformance-suite adapter) and :mod:`.plugin` (the
 entry point, which never imports torch).
 """
@@ -28,9 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "MixprecState",
+    "all_reduce_found_inf",
     "capabilities",
     "conformance_adapter",
+    "fsdp_mixed_precision_policy",
+    "fully_shard_with_policy",
     "master_params",
+    "register_ddp_reduce_hook",
     "scale_loss",
     "state",
     "unscale_",
@@ -39,20 +48,30 @@ __all__ = [
 
 _LAZY = {
     "wrap": "mixprec_torch.wrapping",
-    "scale_loss": "mixprec_torch.optimizer",
-    "unscale_": "mixprec_torch.optimizer",
-    "master_params": "mixprec_torch.optimizer",
-    "state": "mixprec_torch.optimizer",
+    "scale_loss": "mixprec_torch.loop",
+    "unscale_": "mixprec_torch.loop",
+    "master_params": "mixprec_torch.loop",
+    "state": "mixprec_torch.loop",
     "MixprecState": "mixprec.scaler",
     "capabilities": "mixprec_torch.devices",
     "conformance_adapter": "mixprec_torch.conformance",
+    "fully_shard_with_policy": "mixprec_torch.distributed",
+    "fsdp_mixed_precision_policy": "mixprec_torch.distributed",
+    "register_ddp_reduce_hook": "mixprec_torch.distributed",
+    "all_reduce_found_inf": "mixprec_torch.distributed",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from mixprec.scaler import MixprecState
     from mixprec_torch.conformance import conformance_adapter
     from mixprec_torch.devices import capabilities
-    from mixprec_torch.optimizer import master_params, scale_loss, state, unscale_
+    from mixprec_torch.distributed import (
+        all_reduce_found_inf,
+        fsdp_mixed_precision_policy,
+        fully_shard_with_policy,
+        register_ddp_reduce_hook,
+    )
+    from mixprec_torch.loop import master_params, scale_loss, state, unscale_
     from mixprec_torch.wrapping import wrap
 
 

@@ -41,15 +41,8 @@ from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 
 from .dtypes import FLOATING, dtype_name, torch_dtype
-from .ops import (
-    NORM_ARGS,
-    NORM_PARAMS_KW,
-    NORM_STATS_KW,
-    TORCH_OPS,
-    autocast_dtypes,
-    callables_for,
-    probe,
-)
+from .ops import NORM_ARGS, NORM_PARAMS_KW, NORM_STATS_KW, TORCH_OPS, callables_for
+from .probes import autocast_dtypes, probe
 
 __all__ = [
     "DecisionContext",

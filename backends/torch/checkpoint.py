@@ -13,19 +13,28 @@ Two hooks on each wrapped model:
 
 So a wrapped model loads a plain float32 state dict, and a plain model loads a wrapped
 model's state dict. ``optimizer.state_dict()`` carries the loss-scaler state, the step
-tracker and the resolved policy (:mod:`mixprec_torch.optimizer`).
+tracker and the resolved policy under the ``"mixprec"`` key
+(:func:`optimizer_state_dict` and :func:`load_optimizer_state_dict`, the ``state_dict`` and
+``load_state_dict`` of the patched optimizer class).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.errors import CheckpointError
+from mixprec.errors import CheckpointError, MixprecWarning
+from mixprec.policy import Policy
+from mixprec.scaler import LossScaler
 
-__all__ = ["ModelCheckpoint"]
+__all__ = ["ModelCheckpoint", "load_optimizer_state_dict", "optimizer_state_dict"]
+
+_STATE_KEY = "mixprec"
+"""The optimizer state dict's entry for mixprec's part."""
+_FORMAT = 1
 
 
 class ModelCheckpoint:
@@ -138,3 +147,63 @@ def _rounds_to(master: torch.Tensor, param: torch.Tensor) -> bool:
     if master.shape != param.shape:
         return False
     return bool(torch.equal(master.detach().to(param.dtype), param.detach()))
+
+
+# ------------------------------------------------------------------------------------------
+# The optimizer's state dict
+
+
+def optimizer_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict plus mixprec's: scaler, step tracker, resolved policy."""
+    base = type(self)._mixprec_base
+    sd = base.state_dict(self)
+    st = getattr(self, "_mixprec", None)
+    if st is not None:
+        sd[_STATE_KEY] = {
+            "format": _FORMAT,
+            "scaler": st.group.scaler.state_dict(),
+            "tracker": {"steps": st.tracker.steps},
+            "policy": st.group.policy.to_dict(),
+        }
+    return sd
+
+
+def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load an optimizer state dict; mixprec's part (if any) restores scaler and tracker.
+
+    A plain PyTorch state dict (no ``"mixprec"`` entry) loads too; the scaler then keeps its
+    current state.
+    """
+    state_dict = dict(state_dict)
+    extra = state_dict.pop(_STATE_KEY, None)
+    st = getattr(self, "_mixprec", None)
+    if extra is not None and st is not None:
+        if not isinstance(extra, dict) or "scaler" not in extra:
+            raise CheckpointError(
+                "the optimizer state dict's 'mixprec' entry is malformed; save it with "
+                "optimizer.state_dict() of an optimizer wrapped by mixprec.torch.wrap"
+            )
+        saved_policy = extra.get("policy")
+        if saved_policy is not None:
+            saved = Policy.from_dict(saved_policy)
+            if saved != st.group.policy:
+                warnings.warn(
+                    f"the checkpoint was saved under policy {saved} but this optimizer is "
+                    f"wrapped with {st.group.policy}; training continues with the current "
+                    "policy. Wrap with the saved policy (optimizer.state_dict()['mixprec']"
+                    "['policy']) to resume exactly",
+                    MixprecWarning,
+                    stacklevel=2,
+                )
+        # check before mutating anything
+        scaler = st.group.scaler
+        probe = LossScaler(scaler.state.fresh())
+        probe.load_state_dict(extra["scaler"])
+    base = type(self)._mixprec_base
+    base.load_state_dict(self, state_dict)
+    if extra is not None and st is not None:
+        st.group.scaler.load_state_dict(extra["scaler"])
+        st.tracker.reset()
+        st.tracker.steps = int(extra.get("tracker", {}).get("steps", st.tracker.steps))
+        st.round = None
+        st.found_inf = []

@@ -22,8 +22,10 @@ from mixprec.policy import Policy
 from .autocast import OpCasting, region
 from .devices import capabilities
 from .dtypes import dtype_name, torch_dtype
-from .ops import PROBES, result_dtype, supported_ops
-from .optimizer import master_params, optimizer_state, scale_loss, state
+from .loop import master_params, scale_loss, state
+from .ops import supported_ops
+from .optimizer_state import optimizer_state
+from .probes import PROBES, result_dtype
 from .wrapping import wrap
 
 __all__ = ["TorchAdapter", "TorchTrainer", "conformance_adapter"]

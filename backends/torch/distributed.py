@@ -71,6 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "all_reduce_found_inf",
+    "check_fsdp_policy",
     "ddp_reduce_hook",
     "fsdp_mixed_precision_policy",
     "fsdp_policy_of",
@@ -160,6 +161,25 @@ def is_fsdp_managed(module: torch.nn.Module) -> bool:
 def fsdp_policy_of(module: torch.nn.Module) -> Policy | None:
     """The mixprec ``Policy`` :func:`fully_shard_with_policy` sharded ``module`` with, if any."""
     return getattr(module, _POLICY_ATTR, None)
+
+
+def check_fsdp_policy(module: torch.nn.Module, policy: Policy) -> None:
+    """Refuse to ``wrap`` a model that :func:`fully_shard_with_policy` sharded under another
+    policy: FSDP already casts to that policy's dtypes, and mixprec would scale, save and
+    report under this one.
+
+    :raises WrapError: naming both policies. Modules sharded without mixprec (no recorded
+        policy) pass.
+    """
+    for name, mod in module.named_modules():
+        sharded = fsdp_policy_of(mod)
+        if sharded is not None and sharded != policy:
+            where = f"its submodule {name!r}" if name else "the model"
+            raise WrapError(
+                f"{where} was sharded by fully_shard_with_policy under policy {sharded} "
+                f"but wrap resolved policy {policy}; wrap with the policy it was sharded "
+                "with, or shard it again with this one"
+            )
 
 
 # --------------------------------------------------------------------------------------------

@@ -259,11 +259,13 @@ def _lint(
     check_scaler_without_masters(policy, unique)
 
 
-def _fsdp_managed(models: Sequence[nn.Module]) -> bool:
-    try:
-        from .distributed import is_fsdp_managed
-    except ImportError:  # pragma: no cover
-        return False
+def _fsdp_managed(models: Sequence[nn.Module], policy: Policy) -> bool:
+    """Whether FSDP2 manages any of ``models``; WrapError if one was sharded under another
+    policy than ``policy`` (FSDP would cast to dtypes the policy does not say)."""
+    from .distributed import check_fsdp_policy, is_fsdp_managed
+
+    for model in models:
+        check_fsdp_policy(model, policy)
     return any(is_fsdp_managed(m) for m in models)
 
 
@@ -306,7 +308,7 @@ def wrap(models: Any, optimizers: Any = None, policy: Any = "auto", **overrides:
         preferred = capabilities().preferred_lowp(device_key(device)) if cap is not None else None
         resolved = resolve_auto(resolved, preferred)
 
-    fsdp = _fsdp_managed(model_list)
+    fsdp = _fsdp_managed(model_list, resolved)
     castings = [ModelCasting(model, resolved, None, cast_params=not fsdp) for model in model_list]
     planned: dict[int, str] = {}
     if not fsdp:

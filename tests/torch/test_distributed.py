@@ -276,3 +276,85 @@ def test_sharding_a_model_wrap_already_converted_is_refused() -> None:
 def test_fsdp_refuses_an_unresolved_auto_policy() -> None:
     with pytest.raises(mixprec.PolicyError, match="auto"):
         fully_shard_with_policy(torch.nn.Linear(2, 2), "auto")
+
+
+def test_distributed_helpers_are_exported_through_the_facade() -> None:
+    import mixprec_torch
+    import mixprec_torch.distributed as dist
+
+    for name in (
+        "fully_shard_with_policy",
+        "fsdp_mixed_precision_policy",
+        "register_ddp_reduce_hook",
+        "all_reduce_found_inf",
+    ):
+        assert name in mixprec_torch.__all__
+        assert getattr(mixprec.torch, name) is getattr(dist, name), name
+
+
+@pytest.mark.parametrize("other_rank_overflowed", [False, True])
+def test_a_rank_without_gradients_still_joins_the_found_inf_reduction(
+    monkeypatch: pytest.MonkeyPatch, other_rank_overflowed: bool
+) -> None:
+    """Every rank must call the collective, or the ranks that do wait forever."""
+    import mixprec_torch.step as step_module
+
+    calls: list[float] = []
+
+    def spy(found: torch.Tensor) -> torch.Tensor:
+        calls.append(found.item())
+        # what the MAX all-reduce returns when another rank saw an inf
+        return found.fill_(1.0) if other_rank_overflowed else found
+
+    monkeypatch.setattr(step_module, "is_distributed", lambda: True)
+    monkeypatch.setattr(step_module, "all_reduce_found_inf", spy)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2-bf16")
+    before = [p.detach().clone() for p in model.parameters()]
+    unrelated = torch.ones(1, requires_grad=True)  # this rank's loss does not reach the model
+    with mixprec.torch.scale_loss((unrelated * 2).sum(), optimizer) as scaled:
+        scaled.backward()
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.step()
+
+    assert calls == [0.0]  # joined with a zero flag
+    assert mixprec.torch.state(optimizer).last_step_skipped is other_rank_overflowed
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_single_process_without_gradients_makes_no_collective_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import mixprec_torch.step as step_module
+
+    calls: list[torch.Tensor] = []
+    monkeypatch.setattr(step_module, "all_reduce_found_inf", lambda f: calls.append(f) or f)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2-bf16")
+    with mixprec.torch.scale_loss(torch.ones(1, requires_grad=True).sum(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert calls == []
+    assert not mixprec.torch.state(optimizer).last_step_skipped
+
+
+@needs_gloo
+def test_wrap_refuses_a_model_sharded_under_another_policy(one_rank_group: Any) -> None:
+    def sharded() -> tuple[Any, Any]:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        fully_shard_with_policy(model, "O2-bf16")
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    model, optimizer = sharded()
+    with pytest.raises(mixprec.WrapError, match="sharded") as info:
+        mixprec.torch.wrap(model, optimizer, policy="O1-bf16")
+    message = str(info.value)
+    assert str(mixprec.get_policy("O2-bf16")) in message
+    assert str(mixprec.get_policy("O1-bf16")) in message
+    assert not hasattr(model, "_mixprec")  # nothing was converted
+
+    model, optimizer = sharded()
+    model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2-bf16")  # the same: fine
+    assert fsdp_policy_of(model) == mixprec.torch.state(optimizer).policy

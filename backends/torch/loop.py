@@ -1,0 +1,108 @@
+"""The training-loop calls around the step: ``scale_loss``, ``unscale_``, ``master_params``
+and ``state``, each taking a wrapped optimizer (the MXNet backend's :mod:`loop` takes a
+trainer instead, with the same names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from mixprec.errors import StepOrderError, WrapError
+from mixprec.scaler import MixprecState
+
+from .optimizer_state import OptimizerState, optimizer_state
+
+__all__ = ["master_params", "scale_loss", "state", "unscale_"]
+
+
+def _as_list(optimizers: Any) -> list[Any]:
+    if optimizers is None:
+        return []
+    if isinstance(optimizers, (list, tuple)):
+        return list(optimizers)
+    return [optimizers]
+
+
+@contextmanager
+def scale_loss(loss: torch.Tensor, optimizers: Any) -> Iterator[torch.Tensor]:
+    """Yield ``loss`` cast to float32 and multiplied by the loss scale; call ``backward()`` on it.
+
+    ``optimizers`` (one or a list, all from one ``wrap`` call) are the optimizers whose
+    parameters this backward pass produces gradients for: they unscale and skip together.
+    Several ``scale_loss`` blocks before one ``step()`` accumulate gradients.
+    """
+    opts = _as_list(optimizers)
+    if not opts:
+        raise WrapError(
+            "scale_loss needs the optimizer(s) whose gradients this loss produces: "
+            "scale_loss(loss, optimizer) or scale_loss(loss, [opt_a, opt_b])"
+        )
+    states = [optimizer_state(opt, "scale_loss") for opt in opts]
+    group = states[0].group
+    if any(s.group is not group for s in states):
+        raise WrapError(
+            "scale_loss got optimizers from different wrap calls, which have different loss "
+            "scales; wrap every model and optimizer that share a loss in one call: "
+            "mixprec.torch.wrap([model_a, model_b], [opt_a, opt_b])"
+        )
+    if not isinstance(loss, torch.Tensor):
+        raise WrapError(f"scale_loss needs the loss as a tensor, got {type(loss).__name__}")
+    for st in states:
+        if st.round is not None:
+            raise StepOrderError(
+                "this optimizer took part in a backward pass whose step() is still pending "
+                "(another optimizer of the same scale_loss call already stepped); call "
+                "step() on every optimizer passed to scale_loss before the next backward pass"
+            )
+    counted: list[OptimizerState] = []
+    try:
+        for st in states:
+            st.tracker.on_backward()
+            counted.append(st)
+    except BaseException:
+        for st in counted:
+            st.tracker.backwards -= 1
+        raise
+    scaler = group.scaler
+    scaled = loss if loss.dtype == torch.float32 else loss.to(torch.float32)
+    if scaler.enabled:
+        scaled = scaled * scaler.scale
+    try:
+        yield scaled
+    except BaseException:
+        for st in counted:
+            st.tracker.backwards -= 1
+        raise
+
+
+def unscale_(optimizer: torch.optim.Optimizer) -> None:
+    """Divide the optimizer's gradients by the loss scale now (before clipping).
+
+    After it, ``master_params(optimizer)`` hold the true gradients. Call it once per step,
+    after the last backward pass; ``step()`` then does not unscale again.
+    """
+    st = optimizer_state(optimizer, "unscale_")
+    if st.round is not None and st.implicit_unscale:
+        st.implicit_unscale = False  # another optimizer's step() already unscaled these
+        return
+    st.tracker.on_unscale()
+    st.unscale(optimizer)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer updates: float32 masters, or the model params themselves.
+
+    Clip these (after ``unscale_``): ``clip_grad_norm_(master_params(opt), max_norm)``.
+    """
+    optimizer_state(optimizer, "master_params")
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def state(optimizer: torch.optim.Optimizer) -> MixprecState:
+    """Loss scale, skip counters, resolved policy and events of the optimizer's group."""
+    st = optimizer_state(optimizer, "state")
+    return st.group.scaler.snapshot(st.group.policy)

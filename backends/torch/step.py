@@ -1,0 +1,153 @@
+"""The methods a wrapped optimizer's class overrides for the step itself.
+
+``step`` opens or joins a :class:`~mixprec_torch.optimizer_state.Round` (unscale, finite
+check, one cross-rank reduction, one scale update), then steps or skips and copies the
+masters into the model; ``zero_grad`` clears the model's gradients as well as the masters';
+``add_param_group`` maps model parameters to their masters. :mod:`mixprec_torch.optimizer`
+puts them on the patched class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mixprec.errors import StepOrderError, WrapError
+from mixprec.step import Stage
+
+from .distributed import all_reduce_found_inf, is_distributed
+from .optimizer_state import OptimizerState, Round, WrapGroup, optimizer_state
+
+__all__ = ["add_param_group", "step", "zero_grad"]
+
+
+def _reduce_found_inf(flags: list[torch.Tensor], device: str | torch.device) -> bool:
+    """Whether any flag, on any rank, saw an inf or NaN: the step's one host sync.
+
+    Every rank must make the same collective calls, or the ranks that call wait forever
+    for the ones that do not. A rank whose optimizers hold no gradients this step (unused
+    parameters, an empty shard, a model part that only other ranks run) has no flags, but
+    still joins the all-reduce with a zero flag whenever ``torch.distributed`` runs several
+    ranks.
+    """
+    if not flags:
+        if not is_distributed():
+            return False
+        flags = [torch.zeros(1, dtype=torch.float32, device=device)]
+    found = (
+        flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum(0)
+    )
+    return bool(all_reduce_found_inf(found).item())
+
+
+def _decide_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
+    """Unscale every optimizer of the group with a pending backward, update the scaler once."""
+    members: list[tuple[OptimizerState, torch.optim.Optimizer]] = []
+    for st in group.live_states():
+        opt = st.optimizer()
+        if opt is None or st.round is not None:
+            continue
+        tracker = st.tracker
+        if tracker.stage is Stage.UNSCALED or tracker.needs_unscale:
+            members.append((st, opt))
+    flags: list[torch.Tensor] = []
+    for st, opt in members:
+        if st.tracker.needs_unscale:
+            st.unscale(opt)
+            if opt is not optimizer:
+                st.tracker.on_unscale()
+                st.implicit_unscale = True
+        flags.extend(st.found_inf)
+    found_inf = _reduce_found_inf(flags, group.device)
+    skipped = group.scaler.update(found_inf)
+    decision = Round(skipped, {id(st) for st, _ in members})
+    for st, _ in members:
+        st.round = decision
+        st.found_inf = []
+    return decision
+
+
+def _copy_masters_to_model(copied: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    if not copied:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_([p for p, _ in copied], [m for _, m in copied])
+
+
+def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    """Unscale (unless ``unscale_`` ran), check for inf/NaN, step or skip, update the scale."""
+    st = optimizer_state(self, "optimizer.step()")
+    if closure is not None:
+        raise StepOrderError(
+            "optimizer.step(closure) is not supported by mixprec: a closure re-runs the "
+            "forward and backward pass outside scale_loss. Compute the loss, call backward "
+            "inside scale_loss(loss, optimizer), then call optimizer.step() without a closure"
+        )
+    tracker = st.tracker
+    if st.round is None and not (tracker.stage is Stage.UNSCALED or tracker.needs_unscale):
+        tracker.on_step()  # raises the StepOrderError that names what is missing
+    decision = st.round if st.round is not None else _decide_round(st.group, self)
+    tracker.on_step()
+    try:
+        if not decision.skipped:
+            base = type(self)._mixprec_base
+            base.step(self)
+            _copy_masters_to_model(st.copied)
+    finally:
+        tracker.on_update()
+        st.round = None
+        st.implicit_unscale = False
+        decision.pending.discard(id(st))
+    return None
+
+
+step.hooked = True  # type: ignore[attr-defined]  # torch's profiling wrapper is already inside
+
+
+def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    """Zero the masters' gradients (the optimizer's params) and the model's gradients."""
+    base = type(self)._mixprec_base
+    base.zero_grad(self, set_to_none)
+    st = getattr(self, "_mixprec", None)
+    if st is None:
+        return
+    model_grads = []
+    for param, _ in st.copied:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
+            else:
+                param.grad.requires_grad_(False)
+            model_grads.append(param.grad)
+    if model_grads:
+        torch._foreach_zero_(model_grads)
+
+
+def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+    """Add a group of *model* parameters; the optimizer receives their masters."""
+    st = getattr(self, "_mixprec", None)
+    if st is None:  # during __init__ of a re-created instance
+        return type(self)._mixprec_base.add_param_group(self, param_group)
+    group = st.group
+    params = param_group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    unknown = [p for p in params if id(p) not in group.model_params]
+    if unknown:
+        raise WrapError(
+            f"add_param_group got {len(unknown)} parameter(s) that are not in the models "
+            f"wrapped with this optimizer (shapes {[tuple(p.shape) for p in unknown][:4]}); "
+            "pass every model whose parameters the optimizer updates to the same wrap call"
+        )
+    masters = [group.masters[id(p)] for p in params]
+    copied = {id(m) for _, m in st.copied}
+    for p, m in zip(params, masters, strict=True):
+        if m is not p and id(m) not in copied:
+            st.copied.append((p, m))
+            copied.add(id(m))
+    return type(self)._mixprec_base.add_param_group(self, {**param_group, "params": masters})
