@@ -16,7 +16,9 @@ mixprec, for bfloat16 too), the net's inputs and outputs, and keep BatchNorm flo
 ``net.save_parameters`` keeps writing float32. On CPU, MXNet computes in bfloat16 (oneDNN)
 but not in float16: a float16 policy is refused there.
 
-Modules (named as in the PyTorch backend): :mod:`.trainer` (the Trainer and the step),
+Modules (named as in the PyTorch backend where they share a job): :mod:`.trainer` (the
+Trainer: construction and user API), :mod:`.stepping` (its step), :mod:`.masters` (its float32
+masters and initial broadcast),
 :mod:`.loop` (``scale_loss(loss, trainer)`` and the other loop functions, torch-shaped),
 :mod:`.casting` (parameter, boundary and island casting), :mod:`.graph` (O1: the graph
 pass), :mod:`.ops` (neutral families to MXNet op names), :mod:`.checkpoint`,

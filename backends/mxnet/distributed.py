@@ -28,7 +28,7 @@ How the Trainer calls this module (``trainer`` is the ``gluon.Trainer`` mixprec 
     init_kvstore_eagerly(trainer)      # no-op, except where weights got their shapes only
                                        # in the first forward: create/broadcast them now
     ...                                # pushpull of every gradient (sum over contexts, workers)
-    flags = [1 - multi_all_finite(grads of ctx) for ctx in contexts]   # after the reduce
+    flags = [nonfinite count of grads of ctx for ctx in contexts]      # after the reduce
     found_inf = all_reduce_found_inf(trainer._kvstore, flags)
     skipped = scaler.update(bool(found_inf.asscalar() > 0))
     # skip, or update with rescale_grad = 1 / (batch_size * loss_scale)

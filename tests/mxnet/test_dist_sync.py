@@ -309,3 +309,73 @@ def test_bfloat16_gradients_are_refused_on_a_distributed_kvstore() -> None:
     trainer._params[0].cast(np.dtype([("bfloat16", np.uint16)]))
     with pytest.raises(UnsupportedDtypeError, match="bfloat16"):
         init_kvstore_eagerly(trainer)
+
+
+class _SimulatedDistStore(mx.kvstore.KVStoreBase):  # type: ignore[misc]
+    """One worker's view of a ``dist_sync`` server shared with rank 0, in process.
+
+    As on a real server, ``init`` stores rank 0's value only (other ranks' values are
+    dropped) and a pull returns what the server holds, in the key's dtype.
+    """
+
+    def __init__(self, rank: int, server: dict[Any, Any]) -> None:
+        self._rank, self.server = rank, server
+
+    @property
+    def type(self) -> str:
+        return "dist_sync"
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def num_workers(self) -> int:
+        return 2
+
+    def init(self, key: Any, value: Any) -> None:
+        if self._rank == 0:
+            self.server[key] = value.copy()
+
+    def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        self.init(key, value)
+        for o in out if isinstance(out, list) else [out]:
+            assert o.dtype == self.server[key].dtype, "a pull must not change the dtype"
+            self.server[key].copyto(o)
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> None:
+        if out is not None:
+            value.copyto(out)
+
+    def is_capable(self, capability: str) -> bool:
+        return False
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        raise NotImplementedError
+
+    def load_optimizer_states(self, fname: str) -> None:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("reduce", ["float32", "float16"])
+def test_every_worker_starts_from_rank_0s_exact_masters(reduce: str) -> None:
+    # float16 reduce with float32 masters and bfloat16 weights: the gradient keys have a
+    # dtype of their own, and the masters must still arrive exactly (not rounded to it)
+    from _mx_nets import master_values, mlp, values
+
+    from mixprec_mxnet import Trainer
+
+    server: dict[Any, Any] = {}
+    nets, trainers = [mlp(seed=0), mlp(seed=1)], []
+    for rank, net in enumerate(nets):
+        store = _SimulatedDistStore(rank, server)
+        trainers.append(Trainer(net, "sgd", policy="O2-bf16", kvstore=store, reduce=reduce))
+    assert trainers[1].reduce_dtype(nets[1][0].weight) == reduce
+    assert server[0].dtype == np.dtype(reduce)  # the gradient key is in the reduce dtype
+    rank0, rank1 = master_values(trainers[0], nets[0]), master_values(trainers[1], nets[1])
+    assert not np.array_equal(rank0["0.weight"], values(nets[1])["0.weight"])  # were different
+    for name in rank0:
+        np.testing.assert_array_equal(rank1[name], rank0[name])
+    model0, model1 = values(nets[0]), values(nets[1])
+    for name in model0:
+        np.testing.assert_array_equal(model1[name], model0[name])
