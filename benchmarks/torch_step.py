@@ -117,8 +117,8 @@ def make_step(
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
-            out = model(x)
-            loss = loss_fn(out.float(), y)  # .float(): O3 outputs bf16
+            # written like the autocast step: no name keeps the output alive through backward
+            loss = loss_fn(model(x).float(), y)  # .float(): O3 outputs bf16
             with scale_loss(loss, opt) as scaled:
                 scaled.backward()
             opt.step()
