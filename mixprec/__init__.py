@@ -13,8 +13,7 @@ framework. Extension points: :mod:`mixprec.hookspecs` (the hooks) and
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mixprec.errors import (
     BackendNotAvailable,
@@ -28,6 +27,7 @@ from mixprec.errors import (
     UnsupportedDtypeError,
     WrapError,
 )
+from mixprec.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -121,17 +121,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 
 _SUBMODULES = ("torch", "mxnet", "testing")
 
-
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:  # the facades import their framework only when used
-        return importlib.import_module(f"mixprec.{name}")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, submodules=_SUBMODULES)

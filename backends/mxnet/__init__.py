@@ -29,8 +29,9 @@ function once imported), :mod:`.dtypes`, :mod:`.distributed` (kvstore ``dist_syn
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mixprec.lazy import lazy_exports
 
 __all__ = [
     "MixprecState",
@@ -66,15 +67,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from mixprec_mxnet.loop import master_params, scale_loss, state, unscale
     from mixprec_mxnet.trainer import Trainer
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec_mxnet' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

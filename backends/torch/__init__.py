@@ -28,8 +28,9 @@ entry point, which never imports torch).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mixprec.lazy import lazy_exports
 
 __all__ = [
     "MixprecState",
@@ -74,15 +75,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from mixprec_torch.loop import master_params, scale_loss, state, unscale_
     from mixprec_torch.wrapping import wrap
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec_torch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

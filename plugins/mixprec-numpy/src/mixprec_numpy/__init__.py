@@ -12,8 +12,9 @@ Python does through this package) does not import NumPy.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mixprec.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -58,17 +59,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec_numpy.trainer import Trainer
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec_numpy' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
 def conformance_adapter() -> NumpyConformanceAdapter:
     """The adapter mixprec's conformance suite drives (see :mod:`mixprec.testing`)."""
     from mixprec_numpy.conformance import NumpyConformanceAdapter
 
     return NumpyConformanceAdapter()
+
+
+# mixprec's helper for PEP 562 lazy names: importing this package imports no NumPy
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
