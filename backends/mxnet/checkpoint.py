@@ -26,7 +26,7 @@ from mxnet import gluon, nd
 from mixprec.dtypes import FLOAT32
 from mixprec.errors import CheckpointError, MixprecWarning
 from mixprec.policy import Policy
-from mixprec_mxnet.dtypes import cast, dtype_name
+from mixprec_mxnet.dtypes import cast, cast_into
 
 if TYPE_CHECKING:
     from mixprec_mxnet.trainer import Trainer
@@ -73,12 +73,10 @@ def set_value(trainer: Trainer, param: gluon.Parameter, value: nd.NDArray) -> No
         )
     master = param if trainer.masters is None else trainer.masters.master_for(param)
     for target in master.list_data():
-        cast(value.as_in_context(target.context), dtype_name(target.dtype), out=target)
+        cast_into(value.as_in_context(target.context), target)
     if master is not param:
         for data, source in zip(param.list_data(), master.list_data(), strict=True):
-            cast(source, dtype_name(data.dtype), out=data)
-            if trainer._transient:  # an update copy holds only the weight's precision
-                cast(data, dtype_name(source.dtype), out=source)
+            trainer._write_model(source, data)
 
 
 def load_parameters(

@@ -23,6 +23,7 @@ from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32, canonical_dtype
 __all__ = [
     "BFLOAT16_NP",
     "cast",
+    "cast_into",
     "dtype_name",
     "dtype_of",
     "is_floating",
@@ -92,12 +93,23 @@ def cast(array: nd.NDArray, dtype: str, out: nd.NDArray | None = None) -> nd.NDA
     With ``out``, the result is written into ``out`` (which must have dtype ``dtype``).
     Non-floating arrays are returned unchanged.
     """
+    if out is not None:
+        return cast_into(array, out)
     target = mx_dtype(dtype)
     if np.dtype(array.dtype) == target or not is_floating(array.dtype):
-        if out is not None and out is not array:
-            array.copyto(out)
-            return out
         return array
-    if out is not None:
-        return nd.amp_cast(array, dtype=target, out=out)
     return nd.amp_cast(array, dtype=target)
+
+
+def cast_into(array: nd.NDArray, out: nd.NDArray) -> nd.NDArray:
+    """Write ``array`` into ``out`` in ``out``'s dtype (rounding to nearest-even); ``out``.
+
+    The per-step copies (model gradient -> master gradient, master -> model weight) go
+    through here: it reads the target dtype off ``out``, with no name round trip.
+    """
+    if out is array:
+        return out
+    if np.dtype(array.dtype) == np.dtype(out.dtype) or not is_floating(array.dtype):
+        array.copyto(out)
+        return out
+    return nd.amp_cast(array, dtype=out.dtype, out=out)

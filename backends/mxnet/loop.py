@@ -37,5 +37,4 @@ def master_params(trainer: Trainer) -> list[gluon.Parameter]:
 
 def state(trainer: Trainer) -> MixprecState:
     """Loss scale, skip counters, resolved policy and events of ``trainer``."""
-    scaler = trainer.scaler
-    return scaler.snapshot(trainer.policy)
+    return trainer.scaler.snapshot(trainer.policy)

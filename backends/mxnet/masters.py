@@ -26,7 +26,7 @@ from mixprec.lint import check_scaler_without_masters
 from mixprec.masters import MasterWeights
 from mixprec_mxnet import distributed
 from mixprec_mxnet.casting import cast_param
-from mixprec_mxnet.dtypes import cast, dtype_name, mx_dtype
+from mixprec_mxnet.dtypes import cast, cast_into, dtype_name, mx_dtype
 
 if TYPE_CHECKING:
     from mixprec.policy import Policy
@@ -87,7 +87,18 @@ class MasterSetup:
         if self.masters is not None and self._transient:
             for param, master in self.masters.copied_pairs():
                 for data, weight in zip(param.list_data(), master.list_data(), strict=True):
-                    cast(data, dtype_name(weight.dtype), out=weight)
+                    cast_into(data, weight)
+
+    def _write_model(self, weight: nd.NDArray, data: nd.NDArray) -> None:
+        """Cast a master's ``weight`` into the model's ``data`` (one context). Without masters
+        in the policy, the float32 update copy is then reset to the rounded weight."""
+        cast_into(weight, data)
+        if self._transient:
+            cast_into(data, weight)
+
+    def _trainable_pairs(self) -> list[tuple[gluon.Parameter, gluon.Parameter]]:
+        """(model parameter, master) for every parameter with a gradient."""
+        return [(p, m) for p, m in self._ensure_prepared().pairs if p.grad_req != "null"]
 
     def _ensure_prepared(self) -> MasterWeights[gluon.Parameter]:
         if self.masters is None:
@@ -157,7 +168,7 @@ class MasterSetup:
             self._kvstore.init(idx, cast(weights[0], dtype_name(comm[0].dtype)))
         if master is not param:
             for data, value in zip(param.list_data(), weights, strict=True):
-                cast(value, dtype_name(data.dtype), out=data)
+                self._write_model(value, data)
 
 
 def _broadcast_key(idx: int) -> int:

@@ -28,7 +28,7 @@ from mixprec.dtypes import BFLOAT16, FLOAT32
 from mixprec.scaler import LossScaler
 from mixprec.step import Stage, StepTracker
 from mixprec_mxnet import distributed
-from mixprec_mxnet.dtypes import cast, dtype_name, mx_dtype
+from mixprec_mxnet.dtypes import cast, cast_into, mx_dtype
 from mixprec_mxnet.masters import MasterSetup
 
 __all__ = ["Stepping", "count_nonfinite"]
@@ -62,12 +62,12 @@ class Stepping(MasterSetup):
             # `comm`/`final` are the model's own gradients where dtypes agree: no copy then
             if comm is not grads:
                 for src, dst in zip(grads, comm, strict=True):
-                    cast(src, dtype_name(dst.dtype), out=dst)
+                    cast_into(src, dst)
             if kvstore is not None:
                 kvstore.pushpull(i, comm, priority=-i)
             if final is not comm:
                 for src, dst in zip(comm, final, strict=True):
-                    cast(src, dtype_name(dst.dtype), out=dst)
+                    cast_into(src, dst)
         self._reduced = True
 
     def unscale(self) -> None:
@@ -101,7 +101,7 @@ class Stepping(MasterSetup):
             if skipped:
                 self._consume(ignore_stale_grad)
             else:
-                unscale = 1.0 if unscaled or not self.scaler.enabled else scale
+                unscale = 1.0 if unscaled else scale  # NoScale's scale is 1.0
                 self._optimizer.rescale_grad = self._scale / (batch_size * unscale)
                 self._update(ignore_stale_grad)
         finally:
@@ -109,9 +109,8 @@ class Stepping(MasterSetup):
             tracker.on_update()
 
     def _trainable_grads(self) -> Iterator[list[nd.NDArray]]:
-        for param, master in self.masters.pairs:  # type: ignore[union-attr]
-            if param.grad_req != "null":
-                yield master.list_grad()
+        for _, master in self._trainable_pairs():
+            yield master.list_grad()
 
     def _found_inf(self) -> bool:
         per_context = list(zip(*self._trainable_grads(), strict=True))
@@ -166,9 +165,7 @@ class Stepping(MasterSetup):
                 indices, grads, weights = zip(*upd, strict=True)
                 updater(list(indices), list(grads), list(weights))
         for weight, data in copies:
-            cast(weight, dtype_name(data.dtype), out=data)
-            if self._transient:
-                cast(data, dtype_name(weight.dtype), out=weight)
+            self._write_model(weight, data)
 
 
 def count_nonfinite(arrays: Sequence[nd.NDArray]) -> nd.NDArray:

@@ -185,7 +185,7 @@ class Trainer(Stepping, gluon.Trainer):
         """The gradients the update reads on ``ctx`` (default: the first context), after
         ``allreduce_grads()``: clip these."""
         ctx = ctx or self._contexts[0]
-        return [m.grad(ctx) for p, m in self._ensure_prepared().pairs if p.grad_req != "null"]
+        return [master.grad(ctx) for _, master in self._trainable_pairs()]
 
     # ------------------------------------------------------------------ checkpoints
 

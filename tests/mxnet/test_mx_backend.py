@@ -77,3 +77,17 @@ def test_float16_ops_are_refused_on_cpu() -> None:
         adapter.op_dtype(get_policy("O1"), "linear", "float16")
     with pytest.raises(mixprec.UnsupportedDtypeError):
         adapter.make_trainer(get_policy("O2"))
+
+
+def test_cast_into_rounds_to_nearest_into_the_target() -> None:
+    from mixprec_mxnet.dtypes import cast, cast_into, dtype_of
+
+    x = mx.nd.array([1.0 + 2**-8 + 2**-10, -(1.0 + 3 * 2**-8), 3.0], dtype="float32")
+    out = cast(mx.nd.zeros((3,)), "bfloat16")
+    assert cast_into(x, out) is out and dtype_of(out) == "bfloat16"
+    # rounds to nearest (1 + 2**-7 up, not truncated down to 1.0), as cast() does
+    assert cast(out, "float32").asnumpy().tolist() == [1.0 + 2**-7, -(1.0 + 2**-6), 3.0]
+    assert (
+        cast(out, "float32").asnumpy().tolist()
+        == cast(cast(x, "bfloat16"), "float32").asnumpy().tolist()
+    )

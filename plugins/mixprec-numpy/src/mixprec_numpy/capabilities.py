@@ -44,9 +44,7 @@ def resolve_policy(spec: str | Policy, device: str = "cpu") -> Policy:
     """The policy a trainer runs: ``auto`` resolved for ``device``, every dtype checked."""
     caps = capabilities()
     caps.device(device)  # unknown device: BackendNotAvailable naming the ones there are
-    policy = get_policy(spec)
-    if not policy.is_resolved:
-        policy = resolve_auto(policy, caps.preferred_lowp(device))
+    policy = resolve_auto(get_policy(spec), caps.preferred_lowp(device))  # no-op if resolved
     for role in ("param", "compute", "output", "master"):
         dtype = getattr(policy, role)
         if dtype is not None:

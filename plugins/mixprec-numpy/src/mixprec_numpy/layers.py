@@ -67,11 +67,7 @@ class Linear:
         dtype = policy.decide(
             "linear", (x.dtype, self.weight.dtype), module=self.name, module_class="Linear"
         ).dtype
-        x_c, w_c, b_c = (
-            cast(x.data, dtype),
-            cast(self.weight.data, dtype),
-            cast(self.bias.data, dtype),
-        )
+        x_c, w_c, b_c = (cast(a, dtype) for a in (x.data, self.weight.data, self.bias.data))
         self._saved = (x.dtype, x_c, w_c, dtype)
         return Tensor(cast(float32(x_c) @ float32(w_c) + float32(b_c), dtype), dtype)
 

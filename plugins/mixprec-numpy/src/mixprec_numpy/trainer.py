@@ -27,7 +27,7 @@ from mixprec.policy import Policy
 from mixprec.scaler import LossScaler
 from mixprec.step import StepTracker
 from mixprec_numpy.capabilities import resolve_policy
-from mixprec_numpy.casting import cast, float32
+from mixprec_numpy.casting import Array, cast, float32
 from mixprec_numpy.layers import MLP, Parameter
 from mixprec_numpy.optimizer import SGD
 
@@ -121,28 +121,30 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _weights(self) -> dict[str, Array]:
+        # the masters, never upcast low-precision copies: exact float32 values
+        return {f"param/{p.name}": float32(m.data) for p, m in self.masters.pairs}
+
     def save_parameters(self, file: str | IO[bytes]) -> None:
         """Save the weights as float32: the masters, exact (``.npz``)."""
-        np.savez(file, **{f"param/{p.name}": float32(m.data) for p, m in self.masters.pairs})
+        np.savez(file, **self._weights())
 
     def save(self, file: str | IO[bytes]) -> None:
         """Save everything a resumed run needs: weights, optimizer and loss-scaler state."""
         meta = {"scaler": self.scaler.state_dict(), "policy": self.policy.to_dict()}
-        params = {f"param/{p.name}": float32(m.data) for p, m in self.masters.pairs}
         state = {f"optimizer/{n}": v for n, v in self.optimizer.state_dict().items()}
-        np.savez(file, meta=np.array(json.dumps(meta)), **params, **state)
+        np.savez(file, meta=np.array(json.dumps(meta)), **self._weights(), **state)
 
     def load(self, file: str | IO[bytes]) -> None:
         """Resume from :meth:`save`: masters first, then cast into the model."""
         with np.load(file, allow_pickle=False) as saved:
             arrays = {name: saved[name] for name in saved.files}
         meta = json.loads(str(arrays.pop("meta")))
-        mine, theirs = self.policy.to_dict(), meta["policy"]
-        mine.pop("name", None), theirs.pop("name", None)
-        if mine != theirs:
+        saved = Policy.from_dict(meta["policy"])
+        if saved != self.policy:  # Policy equality ignores the display name
             raise CheckpointError(
-                "the checkpoint was saved under a different policy; build the Trainer with "
-                f"the policy it was saved with: {theirs}"
+                f"the checkpoint was saved under a different policy ({saved}); build the "
+                f"Trainer with policy={str(saved)!r} to resume it"
             )
         for param, master in self.masters.pairs:
             value = arrays.get(f"param/{param.name}")
