@@ -82,7 +82,8 @@ class Capabilities:
                 return cap
         known = ", ".join(cap.device for cap in self.devices) or "none"
         raise BackendNotAvailable(
-            f"The {self.backend} backend reports no device {device!r} (devices here: {known})."
+            f"The {self.backend} backend reports no device {device!r} (devices here: {known}); "
+            "pass one of those, or a bare 'cpu'/'cuda'/'gpu' for the first of its kind."
         )
 
     def preferred_lowp(self, device: str) -> str | None:

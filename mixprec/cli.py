@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING
 
 from mixprec.errors import MixprecError
 from mixprec.grammar import format_loss_scale
+from mixprec.presets import DTYPE_ROLES
 
 if TYPE_CHECKING:
     from mixprec.policy import Policy
 
 __all__ = ["main"]
 
-_ROLES = ("param", "compute", "output", "master", "reduce")
 _LISTS = ("lowp", "fp32", "promote", "banned")
 
 
 def describe_policy(name: str, policy: Policy, *, lists: bool = True) -> str:
     """A policy as a short block of text: its roles, loss scale, op lists and module rules."""
     lines = [f"{name}"]
-    roles = ", ".join(f"{role}={getattr(policy, role) or '-'}" for role in _ROLES)
+    roles = ", ".join(f"{role}={getattr(policy, role) or '-'}" for role in DTYPE_ROLES)
     lines.append(f"  {roles}")
     lines.append(f"  loss_scale={format_loss_scale(policy.loss_scale)}")
     if lists:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mixprec.errors import PolicyError
-from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
+from mixprec.loss_scale import LOSS_SCALE_KINDS, DynamicScale, NoScale, StaticScale
 from mixprec.rules import ListName, ModuleRule, list_name
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ def _number(key: str, text: str, kind: type) -> Any:
         value = kind(text)
     except ValueError:
         raise PolicyError(
-            f"loss_scale {key}={text!r} is not a{'n integer' if kind is int else ' number'}"
+            f"loss_scale {key}={text!r} is not a{'n integer' if kind is int else ' number'}; "
+            f"write {_LOSS_SCALE_FORMS}"
         ) from None
     return value
 
@@ -126,11 +127,11 @@ def _parse_loss_scale(text: str) -> LossScaleConfig:
 
 
 def _loss_scale_from_mapping(d: Mapping[str, Any]) -> LossScaleConfig:
-    kinds = {cls.kind: cls for cls in (NoScale, StaticScale, DynamicScale)}
-    cls = kinds.get(d.get("kind"))  # type: ignore[arg-type]
+    cls = LOSS_SCALE_KINDS.get(d.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise PolicyError(
-            f"loss_scale table needs kind = one of {sorted(kinds)}, got {d.get('kind')!r}"
+            f"loss_scale table needs kind = one of {sorted(LOSS_SCALE_KINDS)}, "
+            f"got {d.get('kind')!r}"
         )
     allowed = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - allowed - {"kind"})
@@ -194,7 +195,9 @@ def parse_module_rule(key: str, value: str) -> ModuleRule:
             raise PolicyError(f"bad module op rule {item!r}; write <list>=<op>|<op>")
         for op in split_ops(names):
             if ops.setdefault(op, list_name(lst)) != lst:
-                raise PolicyError(f"module rule {key}={value} puts {op!r} in two lists")
+                raise PolicyError(
+                    f"module rule {key}={value} puts {op!r} in two lists; name it in one"
+                )
     return ModuleRule(match.strip(), pattern.strip(), found[1] or None, ops)
 
 

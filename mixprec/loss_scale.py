@@ -23,6 +23,7 @@ from mixprec.errors import CheckpointError, LossScaleError, MixprecWarning, Poli
 from mixprec.events import ScaleEvent
 
 __all__ = [
+    "LOSS_SCALE_KINDS",
     "DynamicScale",
     "LossScale",
     "NoScale",
@@ -363,7 +364,8 @@ class DynamicScale:
     config = fresh
 
 
-_KINDS: dict[str, type[NoScale] | type[StaticScale] | type[DynamicScale]] = {
+#: Each loss-scale class by its ``kind`` (the ``"kind"`` key of its ``state_dict()``).
+LOSS_SCALE_KINDS: dict[str, type[NoScale] | type[StaticScale] | type[DynamicScale]] = {
     cls.kind: cls for cls in (NoScale, StaticScale, DynamicScale)
 }
 
@@ -371,11 +373,11 @@ _KINDS: dict[str, type[NoScale] | type[StaticScale] | type[DynamicScale]] = {
 def loss_scale_from_state_dict(d: Mapping[str, Any]) -> NoScale | StaticScale | DynamicScale:
     """Rebuild the exact loss-scale state that ``state.state_dict()`` returned."""
     kind = d.get("kind")
-    cls = _KINDS.get(kind)  # type: ignore[arg-type]
+    cls = LOSS_SCALE_KINDS.get(kind)  # type: ignore[arg-type]
     if cls is None:
         raise CheckpointError(
             f"unknown loss-scale kind {kind!r} in a saved state; expected one of "
-            f"{sorted(_KINDS)}. Was it saved by mixprec's LossScale.state_dict()?"
+            f"{sorted(LOSS_SCALE_KINDS)}. Was it saved by mixprec's LossScale.state_dict()?"
         )
     expected = {f.name for f in fields(cls)}
     got = set(d) - {"kind"}

@@ -16,7 +16,6 @@ import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 import pluggy
@@ -200,13 +199,6 @@ def backend_info(name: str) -> BackendInfo:
             f"{', '.join(known) or 'none'}. Built-in ones come with pip install 'mixprec[{name}]'."
         )
     return matches[0][1]
-
-
-def load_api(name: str) -> ModuleType:
-    """Import backend ``name``'s api module (see :func:`mixprec.backend.load_backend`)."""
-    from mixprec.backend import load_backend
-
-    return load_backend(name)
 
 
 # ---------------------------------------------------------------------------------------

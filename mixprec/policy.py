@@ -121,12 +121,18 @@ class Policy:
             )
         set_(self, "loss_scale", self.loss_scale.fresh())
         if not isinstance(self.ops, OpRules):
-            raise PolicyError(f"ops must be an OpRules, got {type(self.ops).__name__}")
+            raise PolicyError(
+                f"ops must be an OpRules, got {type(self.ops).__name__}; build one with "
+                "OpRules(fp32=[...], ...) or edit a preset with policy.with_ops(...)"
+            )
         modules = tuple(self.modules)
         seen: dict[tuple[str, str], ModuleRule] = {}
         for rule in modules:
             if not isinstance(rule, ModuleRule):
-                raise PolicyError(f"modules must hold ModuleRule objects, got {rule!r}")
+                raise PolicyError(
+                    f"modules must hold ModuleRule objects, got {rule!r}; build one with "
+                    "ModuleRule('class', '*BatchNorm*', 'float32') or use policy.with_module(...)"
+                )
             if rule.key in seen:
                 raise PolicyError(
                     f"two module rules for the same pattern: {seen[rule.key]} and {rule}; "

@@ -46,6 +46,8 @@ from mixprec.policy import LossScaleConfig, ModuleRule, Policy
 __all__ = [
     "ALIASES",
     "BUILTIN_PRESETS",
+    "DTYPE_ROLES",
+    "ROLE_FIELDS",
     "builtin_preset_names",
     "default_loss_scale",
     "derive",
@@ -68,7 +70,10 @@ ALIASES: dict[str, str] = {
     "bf16-true": "O3-bf16",
 }
 _BY_LOWER = {name.lower(): name for name in (*BUILTIN_PRESETS, *ALIASES)}
-_ROLES = ("param", "compute", "output", "master", "reduce", "loss_scale")
+#: The roles that name a dtype, in the order they are printed.
+DTYPE_ROLES: tuple[str, ...] = ("param", "compute", "output", "master", "reduce")
+#: Every role field a spec or an override may set (``params`` is accepted for ``param``).
+ROLE_FIELDS: tuple[str, ...] = (*DTYPE_ROLES, "loss_scale")
 _BATCHNORM = ModuleRule("class", "*BatchNorm*", FLOAT32)
 
 
@@ -110,10 +115,8 @@ def _builtin(name: str) -> Policy:
 
 
 def _plugin_presets() -> dict[str, Any]:
-    try:
-        from mixprec.plugins import plugin_presets
-    except ImportError:  # pragma: no cover - the plugin module is part of mixprec
-        return {}
+    from mixprec.plugins import plugin_presets  # loads the plugins: only when a name needs it
+
     return plugin_presets()
 
 
@@ -165,11 +168,11 @@ def _overrides(given: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in given.items():
         role = "param" if key == "params" else key
-        if role not in _ROLES:
-            close = difflib.get_close_matches(key, [*_ROLES, "params"], n=1)
+        if role not in ROLE_FIELDS:
+            close = difflib.get_close_matches(key, [*ROLE_FIELDS, "params"], n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise PolicyError(
-                f"unknown policy field {key!r}.{hint} Valid fields: {', '.join(_ROLES)} "
+                f"unknown policy field {key!r}.{hint} Valid fields: {', '.join(ROLE_FIELDS)} "
                 "('params' is accepted for 'param')"
             )
         if role in out:
@@ -200,7 +203,7 @@ def derive(base: Policy, overrides: Mapping[str, Any]) -> Policy:
     given = _overrides(overrides)
     if not given:
         return base
-    fields: dict[str, Any] = {f: getattr(base, f) for f in (*_ROLES, "ops", "modules")}
+    fields: dict[str, Any] = {f: getattr(base, f) for f in (*ROLE_FIELDS, "ops", "modules")}
     if "compute" in given:
         fields.update(_follow_compute(base, given["compute"]))
     fields.update(
@@ -271,7 +274,8 @@ def resolve_auto(policy: Policy, preferred_lowp: str | None) -> Policy:
     lowp = canonical_dtype(preferred_lowp)
     if not is_low_precision(lowp):
         raise PolicyError(
-            f"resolve_auto needs a low-precision dtype or None, got {preferred_lowp!r}"
+            f"resolve_auto needs a low-precision dtype ('bfloat16' or 'float16') or None, "
+            f"got {preferred_lowp!r}"
         )
     resolved = derive(policy, {"compute": lowp})
     name = preset_name_of(resolved)

@@ -41,7 +41,7 @@ from mixprec.grammar import (
     toml_dumps,
 )
 from mixprec.policy import ModuleRule, OpRules, Policy
-from mixprec.presets import BUILTIN_PRESETS, derive, preset, preset_name_of
+from mixprec.presets import BUILTIN_PRESETS, ROLE_FIELDS, derive, preset, preset_name_of
 from mixprec.rules import LIST_NAMES, list_name, with_rule
 
 __all__ = [
@@ -53,8 +53,7 @@ __all__ = [
     "read_toml",
 ]
 
-_ROLE_FIELDS = ("param", "compute", "output", "master", "reduce", "loss_scale")
-_ROLE_KEYS = ("param", "params", "compute", "output", "master", "reduce", "loss_scale")
+_ROLE_KEYS = ("params", *ROLE_FIELDS)
 _KEYS = (
     "base",
     *_ROLE_KEYS,
@@ -71,8 +70,9 @@ def _unknown_key(key: str, text: str) -> PolicyError:
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return PolicyError(
         f"unknown key {key!r} in policy spec {text!r}.{hint} Valid keys: base, "
-        f"{', '.join(_ROLE_KEYS)}, the op lists {', '.join(LIST_NAMES)} (with '=' to set a "
-        "list or '+=' to move ops into it), modules=none, class:<glob>=..., path:<glob>=..."
+        f"{', '.join(ROLE_FIELDS)} (params for param), the op lists {', '.join(LIST_NAMES)} "
+        "(with '=' to set a list or '+=' to move ops into it), modules=none, class:<glob>=..., "
+        "path:<glob>=..."
     )
 
 
@@ -205,8 +205,7 @@ def policy_to_toml(policy: Policy) -> str:
 _MAPPING_KEYS = (
     "base",
     "name",
-    *_ROLE_FIELDS,
-    "params",
+    *_ROLE_KEYS,
     "ops",
     "move_ops",
     "modules",
@@ -252,9 +251,7 @@ def policy_from_mapping(d: Mapping[str, Any]) -> Policy:
         raise PolicyError(
             f"unknown policy keys {unknown}.{hint} Valid keys: {', '.join(_MAPPING_KEYS)}"
         )
-    policy = derive(
-        preset(d.get("base", "auto")), {k: d[k] for k in (*_ROLE_FIELDS, "params") if k in d}
-    )
+    policy = derive(preset(d.get("base", "auto")), {k: d[k] for k in _ROLE_KEYS if k in d})
     ops = policy.ops
     if "ops" in d:
         ops = ops.replaced(**_lists(d["ops"], "ops"))

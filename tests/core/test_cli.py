@@ -9,7 +9,7 @@ import pytest
 
 from mixprec import plugins
 from mixprec.cli import main
-from mixprec.presets import builtin_preset_names
+from mixprec.presets import DTYPE_ROLES, builtin_preset_names, get_policy
 
 
 def test_policies_prints_every_preset_with_roles_and_lists(
@@ -17,8 +17,15 @@ def test_policies_prints_every_preset_with_roles_and_lists(
 ) -> None:
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
-    for name in builtin_preset_names():
-        assert f"\n{name}\n" in f"\n{out}"
+    blocks = {block.split("\n", 1)[0]: block for block in out.split("\n\n")}
+    assert list(blocks) == builtin_preset_names()
+    for name, block in blocks.items():
+        policy = get_policy(name)
+        roles = ", ".join(f"{r}={getattr(policy, r) or '-'}" for r in DTYPE_ROLES)
+        assert f"\n  {roles}\n  loss_scale=" in block, block
+        for list_name in ("lowp", "fp32", "promote", "banned"):
+            ops = sorted(getattr(policy.ops, list_name))
+            assert (f"  {list_name:<8} {', '.join(ops)}" in block) == bool(ops), block
     assert "param=float16, compute=float16, output=float32, master=float32" in out  # O2
     assert "fp32     " in out and "softmax" in out
     assert "class:*BatchNorm* -> float32" in out

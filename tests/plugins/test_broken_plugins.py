@@ -7,6 +7,7 @@ in a temporary directory put on ``PYTHONPATH`` of a fresh interpreter, as after
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -100,6 +101,7 @@ def test_broken_plugins_are_reported_and_the_others_work(env: dict[str, str]) ->
 def test_cli_lists_numpy_with_capabilities_and_names_broken_plugins(env: dict[str, str]) -> None:
     env = {**env, "MIXPREC_DISABLE_PLUGINS": "torch,mxnet"}  # keep the frameworks unimported
     out = _python(env, "from mixprec.cli import main; raise SystemExit(main(['backends']))")
+    assert f"numpy    numpy {importlib.metadata.version('numpy')}  (plugin numpy)" in out
     numpy_row = out.split("numpy ", 1)[1]
     assert "cpu: float32, float16, bfloat16" in numpy_row.split("broken plugins", 1)[0]
     broken = out.split("broken plugins:", 1)[1]
