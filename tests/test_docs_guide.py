@@ -39,3 +39,25 @@ def test_readme_policy_example_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Policies", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(block, "README.md#policies", "exec"), {})
+
+
+def _readme_block(heading: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split(f"## {heading}", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_readme_pytorch_example_runs() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    loader = [(torch.randn(32, 64), torch.randint(0, 10, (32,))) for _ in range(3)]
+    exec(compile(_readme_block("PyTorch"), "README.md#pytorch", "exec"), {"loader": loader})
+
+
+@pytest.mark.slow
+def test_readme_gluon_example_runs() -> None:
+    import mxnet as mx
+
+    batches = [(mx.nd.random.normal(shape=(32, 64)), mx.nd.array([i % 10 for i in range(32)]))]
+    exec(compile(_readme_block("MXNet Gluon"), "README.md#gluon", "exec"), {"batches": batches})
