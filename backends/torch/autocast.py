@@ -40,7 +40,7 @@ from mixprec.dtypes import is_low_precision
 from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 
-from .dtypes import FLOATING, dtype_name, torch_dtype
+from .dtypes import FLOATING, cast_floating, dtype_name, torch_dtype
 from .ops import NORM_ARGS, NORM_PARAMS_KW, NORM_STATS_KW, TORCH_OPS, callables_for
 from .probes import autocast_dtypes, probe
 
@@ -50,6 +50,7 @@ __all__ = [
     "PolicyMode",
     "autocast_off",
     "context_stack",
+    "disable_autocast",
     "intercepted_ops",
     "region",
 ]
@@ -154,25 +155,16 @@ def _floating_dtypes(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, 
     return tuple(names)
 
 
-def _cast_value(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.dtype in FLOATING and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        cast = [_cast_value(v, dtype) for v in value]
-        if isinstance(value, list):
-            return cast
-        return type(value)(*cast) if hasattr(value, "_fields") else tuple(cast)
-    return value
+_NormPositions = tuple[tuple[int, int], tuple[int, int]]
+"""Positions of a norm's running statistics and of its weight and bias (see ``NORM_ARGS``)."""
+_Entry = tuple[str, _NormPositions | None]
 
 
 def _norm_call(
-    func: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any],
     dtype: torch.dtype,
-    positions: tuple[tuple[int, int], tuple[int, int]],
+    positions: _NormPositions,
 ) -> tuple[list[Any], dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Arguments for a batch/instance norm run in ``dtype``.
 
@@ -205,7 +197,7 @@ def _norm_call(
         elif i in params_pos:
             new_args.append(convert(a, False))
         else:
-            new_args.append(_cast_value(a, dtype))
+            new_args.append(cast_floating(a, dtype))
     new_kwargs = {}
     for k, v in kwargs.items():
         if k in NORM_STATS_KW:
@@ -213,7 +205,7 @@ def _norm_call(
         elif k in NORM_PARAMS_KW:
             new_kwargs[k] = convert(v, False)
         else:
-            new_kwargs[k] = _cast_value(v, dtype)
+            new_kwargs[k] = cast_floating(v, dtype)
     return new_args, new_kwargs, writeback
 
 
@@ -239,7 +231,7 @@ class PolicyMode(TorchFunctionMode):
         dtype = self.casting.dtype_for(entry[0], _floating_dtypes(args, kwargs))
         norm = entry[1]
         if norm is not None:
-            new_args, new_kwargs, writeback = _norm_call(func, args, kwargs, dtype, norm)
+            new_args, new_kwargs, writeback = _norm_call(args, kwargs, dtype, norm)
             with autocast_off(self.casting.device_types):
                 out = func(*new_args, **new_kwargs)
             if writeback:
@@ -247,25 +239,37 @@ class PolicyMode(TorchFunctionMode):
                     for original, cast in writeback:
                         original.copy_(cast)
             return out
-        new_args = [_cast_value(a, dtype) for a in args]
-        new_kwargs = {k: v if k == "out" else _cast_value(v, dtype) for k, v in kwargs.items()}
+        new_args = [cast_floating(a, dtype) for a in args]
+        new_kwargs = {k: v if k == "out" else cast_floating(v, dtype) for k, v in kwargs.items()}
         with autocast_off(self.casting.device_types):
             return func(*new_args, **new_kwargs)
+
+
+def disable_autocast(device_types: Sequence[str]) -> Callable[[], None]:
+    """Turn autocast off for ``device_types``; return the call that turns it back on.
+
+    Only the enabled flag changes (the nesting level and the weight-cast cache stay), so
+    an island inside an autocast region costs two flag flips per device type.
+    """
+    was_on = [dt for dt in device_types if torch.is_autocast_enabled(dt)]
+    for dt in was_on:
+        torch.set_autocast_enabled(dt, False)
+
+    def restore() -> None:
+        for dt in was_on:
+            torch.set_autocast_enabled(dt, True)
+
+    return restore
 
 
 @contextmanager
 def autocast_off(device_types: Sequence[str]) -> Iterator[None]:
     """Autocast disabled for ``device_types`` (restored afterwards, nesting level untouched)."""
-    saved = [(dt, torch.is_autocast_enabled(dt)) for dt in device_types]
-    for dt, enabled in saved:
-        if enabled:
-            torch.set_autocast_enabled(dt, False)
+    restore = disable_autocast(device_types)
     try:
         yield
     finally:
-        for dt, enabled in saved:
-            if enabled:
-                torch.set_autocast_enabled(dt, True)
+        restore()
 
 
 # ------------------------------------------------------------------------------------------
@@ -285,17 +289,14 @@ class OpCasting:
     device_types: tuple[str, ...]
     autocast: torch.dtype | None = field(init=False)
     ops: frozenset[str] = field(init=False)
-    table: dict[Callable[..., Any], tuple[str, tuple[tuple[int, int], tuple[int, int]] | None]] = (
-        field(init=False)
-    )
+    table: dict[Callable[..., Any], _Entry] = field(init=False)
+    """Intercepted callable -> (its op name, its norm argument positions or None)."""
     _dtypes: dict[tuple[Any, ...], torch.dtype] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.autocast = autocast_dtype(self.policy)
         self.ops = intercepted_ops(self.policy, self.device_types)
-        table: dict[
-            Callable[..., Any], tuple[str, tuple[tuple[int, int], tuple[int, int]] | None]
-        ] = {}
+        table: dict[Callable[..., Any], _Entry] = {}
         # neutral families first, so a "torch:" name for the same callable wins
         for op in sorted(self.ops, key=lambda o: o.startswith("torch:")):
             for fn in callables_for(op):

@@ -25,7 +25,6 @@ Every hook is a bound method of a :class:`ModelCasting` stored on the model, so
 
 from __future__ import annotations
 
-import copy
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +36,8 @@ from mixprec.dtypes import is_low_precision
 from mixprec.errors import WrapError
 from mixprec.policy import Policy
 
-from .autocast import DecisionContext, OpCasting, context_stack
-from .dtypes import FLOATING, torch_dtype
+from .autocast import DecisionContext, OpCasting, context_stack, disable_autocast
+from .dtypes import FLOATING, cast_floating, torch_dtype
 
 __all__ = ["ModelCasting", "ModuleSite", "cast_floating", "class_names", "plan_model"]
 
@@ -55,27 +54,6 @@ _hooks_local = _HooksLocal()
 def class_names(module: nn.Module) -> tuple[str, ...]:
     """The module's class and base class names (so ``*BatchNorm*`` matches subclasses)."""
     return tuple(cls.__name__ for cls in type(module).__mro__ if cls is not object)
-
-
-def cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype in FLOATING and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-    if isinstance(value, tuple):
-        items = [cast_floating(v, dtype) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [cast_floating(v, dtype) for v in value]
-    if isinstance(value, dict):
-        if type(value) is dict:
-            return {k: cast_floating(v, dtype) for k, v in value.items()}
-        out = copy.copy(value)  # OrderedDict, Hugging Face ModelOutput ...
-        for k, v in value.items():
-            out[k] = cast_floating(v, dtype)
-        return out
-    return value
 
 
 @dataclass
@@ -225,12 +203,10 @@ class ModelCasting:
                 handles.append(site.module.register_forward_hook(hooks.post, always_call=True))
 
     def remove(self) -> None:
+        """Remove every hook :meth:`install` registered."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-    def _stack(self) -> list[Any]:
-        return _hooks_local.stack
 
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         undo: list[Any] = []
@@ -244,20 +220,25 @@ class ModelCasting:
             for step in reversed(undo):
                 step()
             raise
-        self._stack().append((module, undo))
+        _hooks_local.stack.append((module, undo))
         dtype = self.input_dtype
         if dtype is not None:
             return cast_floating(args, dtype), cast_floating(kwargs, dtype)
         return None
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        stack = self._stack()
-        if stack and stack[-1][0] is module:
-            for step in reversed(stack.pop()[1]):
-                step()
+        _undo(module)
         if output is None:
             return None
         return cast_floating(output, self.output_dtype)
+
+
+def _undo(module: nn.Module) -> None:
+    """Run the undo steps the pre-hook of ``module`` pushed (nothing if it pushed none)."""
+    stack = _hooks_local.stack
+    if stack and stack[-1][0] is module:
+        for step in reversed(stack.pop()[1]):
+            step()
 
 
 def _enter_site(owner: ModelCasting, site: ModuleSite, *, island: bool) -> list[Any]:
@@ -269,17 +250,7 @@ def _enter_site(owner: ModelCasting, site: ModuleSite, *, island: bool) -> list[
         contexts.append(site.context)
         undo.append(contexts.pop)
     if island and casting is not None and casting.autocast is not None:
-        saved = [(dt, torch.is_autocast_enabled(dt)) for dt in casting.device_types]
-        for dt, enabled in saved:
-            if enabled:
-                torch.set_autocast_enabled(dt, False)
-
-        def restore() -> None:
-            for dt, enabled in saved:
-                if enabled:
-                    torch.set_autocast_enabled(dt, True)
-
-        undo.append(restore)
+        undo.append(disable_autocast(casting.device_types))
     return undo
 
 
@@ -301,17 +272,13 @@ class _SiteHooks:
         )
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        undo = _enter_site(self.owner, self.site, island=self.island)
-        self.owner._stack().append((module, undo))
+        _hooks_local.stack.append((module, _enter_site(self.owner, self.site, island=self.island)))
         if self.pin is not None:
             return cast_floating(args, self.pin), cast_floating(kwargs, self.pin)
         return None
 
     def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        stack = self.owner._stack()
-        if stack and stack[-1][0] is module:
-            for step in reversed(stack.pop()[1]):
-                step()
+        _undo(module)
         if self.cast_back is not None and output is not None:
             return cast_floating(output, self.cast_back)
         return None

@@ -126,6 +126,7 @@ class ModelCheckpoint:
                     self.buffers[name] = (mod, bname, fresh, cast, cast._version + 1)
 
     def remove(self) -> None:
+        """Remove the two state-dict hooks."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -225,11 +225,6 @@ def fsdp_mixed_precision_policy(
     )
 
 
-def _class_names(module: torch.nn.Module) -> list[str]:
-    # The MRO, so a subclass of BatchNorm2d still matches "*BatchNorm*".
-    return [cls.__name__ for cls in type(module).__mro__ if cls is not object]
-
-
 def fully_shard_with_policy(
     module: torch.nn.Module,
     policy: Any,
@@ -256,23 +251,18 @@ def fully_shard_with_policy(
             "then wrap: fully_shard_with_policy(model, policy); optimizer = ...; "
             "model, optimizer = mixprec.torch.wrap(model, optimizer, policy)"
         )
+    from .casting import plan_model
+
     resolved = _resolved_policy(policy)
     block_ids = {id(b) for b in blocks}
-    # Decide everything before sharding: fully_shard changes class names (FSDPLinear...).
-    plan: list[tuple[torch.nn.Module, str, str]] = []  # (module, param dtype, output dtype)
-
-    def visit(name: str, mod: torch.nn.Module, outer: str) -> None:
-        pinned = resolved.module_dtype(name or None, _class_names(mod)) if name else None
-        own = pinned or outer
-        for child_name, child in mod.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child, own)
-        if not name:
-            return
-        has_params = any(True for _ in mod.parameters())
-        if has_params and (own != outer or id(mod) in block_ids):
-            plan.append((mod, own, outer))
-
-    visit("", module, resolved.param)
+    # Decide everything before sharding (fully_shard changes class names: FSDPLinear...),
+    # with the plan wrap uses; children before parents, as fully_shard needs.
+    plan = [
+        (site.module, site.dtype, site.outer)
+        for site in reversed(plan_model(module, resolved)[1:])
+        if (site.dtype != site.outer or id(site.module) in block_ids)
+        and any(True for _ in site.module.parameters())
+    ]
     for mod, param, outer in plan:
         mp = fsdp_mixed_precision_policy(resolved, param=param, output=outer)
         if param != resolved.param:

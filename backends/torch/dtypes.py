@@ -7,12 +7,15 @@ mode asks for the dtype of every floating input) stays cheap.
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 
 from mixprec.dtypes import canonical_dtype
 from mixprec.errors import UnsupportedDtypeError
 
-__all__ = ["FLOATING", "dtype_name", "is_floating", "torch_dtype"]
+__all__ = ["FLOATING", "cast_floating", "dtype_name", "is_floating", "torch_dtype"]
 
 _TO_TORCH: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -54,3 +57,30 @@ def dtype_name(dtype: torch.dtype) -> str:
 def is_floating(dtype: torch.dtype) -> bool:
     """True for the floating dtypes mixprec casts (float64/32/16, bfloat16, float8)."""
     return dtype in _FROM_TORCH
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``.
+
+    The one casting walk of the backend: model boundaries, islands and the op-casting mode
+    all use it. Containers without a tensor inside are returned as they are.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype in FLOATING and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, tuple):
+        items = [cast_floating(v, dtype) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        if type(value) is dict:
+            return {k: cast_floating(v, dtype) for k, v in value.items()}
+        out = copy.copy(value)  # OrderedDict, Hugging Face ModelOutput ...
+        for k, v in value.items():
+            out[k] = cast_floating(v, dtype)
+        return out
+    return value

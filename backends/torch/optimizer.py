@@ -124,25 +124,14 @@ def patch_optimizer(
 ) -> OptimizerState:
     """Point the optimizer at the masters and give it the patched class (in place)."""
     rewrap = check_patchable(optimizer)
-    copied: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-    seen: set[int] = set()
-    remap: dict[int, torch.Tensor] = {}
+    st = OptimizerState(optimizer, group, local=local)
     for pg in optimizer.param_groups:
-        new_params = []
-        for param in pg["params"]:
-            master = group.masters[id(param)]
-            new_params.append(master)
-            if master is not param:
-                remap[id(param)] = master
-                if id(master) not in seen:
-                    seen.add(id(master))
-                    copied.append((param, master))
-        pg["params"] = new_params
+        pg["params"] = st.masters_for(pg["params"])
     if optimizer.state:
         # state built before wrap (a step taken or a state dict loaded): move it to the masters
         moved: defaultdict[torch.Tensor, Any] = defaultdict(dict)
         for param, value in optimizer.state.items():
-            master = remap.get(id(param), param)
+            master = group.masters.get(id(param), param)
             if master is not param and isinstance(value, dict):
                 value = {
                     k: v.to(master.dtype)
@@ -154,7 +143,6 @@ def patch_optimizer(
                 }
             moved[master] = value
         optimizer.state = moved
-    st = OptimizerState(optimizer, group, copied, local=local)
     optimizer._mixprec = st  # type: ignore[attr-defined]
     optimizer.__class__ = _subclass_for(type(optimizer))
     if rewrap:

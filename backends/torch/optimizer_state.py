@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,11 +28,10 @@ __all__ = ["OptimizerState", "Round", "WrapGroup", "optimizer_state"]
 class Round:
     """One skip-or-step decision, shared by the optimizers unscaled for it."""
 
-    __slots__ = ("pending", "skipped")
+    __slots__ = ("skipped",)
 
-    def __init__(self, skipped: bool, pending: set[int]) -> None:
+    def __init__(self, skipped: bool) -> None:
         self.skipped = skipped
-        self.pending = pending
 
 
 class WrapGroup:
@@ -49,6 +48,7 @@ class WrapGroup:
         """id(model param) -> model param, every parameter of the wrapped models."""
 
     def live_states(self) -> list[OptimizerState]:
+        """The optimizer states of this group whose optimizers still exist."""
         alive = [s() for s in self.states]
         return [s for s in alive if s is not None]
 
@@ -60,20 +60,50 @@ class OptimizerState:
         self,
         optimizer: torch.optim.Optimizer,
         group: WrapGroup,
-        copied: list[tuple[torch.nn.Parameter, torch.Tensor]],
         *,
         local: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.optimizer: Callable[[], torch.optim.Optimizer | None] = weakref.ref(optimizer)
         self.group = group
         self.tracker = StepTracker()
-        self.copied = copied
-        """(model param, master) pairs whose master is a separate float32 copy."""
+        self.copied: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        """(model param, master) pairs whose master is a separate float32 copy; grown only
+        by :meth:`masters_for`."""
+        self._copied_ids: set[int] = set()
+        self._copy_lists: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.local = local
         """Maps a gradient to the part this rank holds (DTensor shards under FSDP2)."""
         self.found_inf: list[torch.Tensor] = []
         self.round: Round | None = None
         self.implicit_unscale = False
+
+    # ------------------------------------------------------------------ masters
+
+    def masters_for(self, params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """The masters the optimizer holds for these model parameters (one per unique master);
+        records the pairs whose master is a separate copy in :attr:`copied`."""
+        masters = []
+        for param in params:
+            master = self.group.masters[id(param)]
+            if master is not param and id(master) not in self._copied_ids:
+                self._copied_ids.add(id(master))
+                self.copied.append((param, master))
+                self._copy_lists = None
+            masters.append(master)
+        return masters
+
+    def copy_masters_to_model(self) -> None:
+        """Copy every separate master into its model parameter (one fused foreach copy).
+
+        The two tensor lists are built once and reused every step until :meth:`masters_for`
+        adds a pair.
+        """
+        if not self.copied:
+            return
+        if self._copy_lists is None:
+            self._copy_lists = ([p for p, _ in self.copied], [m for _, m in self.copied])
+        with torch.no_grad():
+            torch._foreach_copy_(*self._copy_lists)
 
     # ------------------------------------------------------------------ gradients
 

@@ -9,7 +9,7 @@ puts them on the patched class.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,18 +62,11 @@ def _decide_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
         flags.extend(st.found_inf)
     found_inf = _reduce_found_inf(flags, group.device)
     skipped = group.scaler.update(found_inf)
-    decision = Round(skipped, {id(st) for st, _ in members})
+    decision = Round(skipped)
     for st, _ in members:
         st.round = decision
         st.found_inf = []
     return decision
-
-
-def _copy_masters_to_model(copied: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
-    if not copied:
-        return
-    with torch.no_grad():
-        torch._foreach_copy_([p for p, _ in copied], [m for _, m in copied])
 
 
 def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
@@ -94,12 +87,11 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
         if not decision.skipped:
             base = type(self)._mixprec_base
             base.step(self)
-            _copy_masters_to_model(st.copied)
+            st.copy_masters_to_model()
     finally:
         tracker.on_update()
         st.round = None
         st.implicit_unscale = False
-        decision.pending.discard(id(st))
     return None
 
 
@@ -144,10 +136,5 @@ def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) ->
             f"wrapped with this optimizer (shapes {[tuple(p.shape) for p in unknown][:4]}); "
             "pass every model whose parameters the optimizer updates to the same wrap call"
         )
-    masters = [group.masters[id(p)] for p in params]
-    copied = {id(m) for _, m in st.copied}
-    for p, m in zip(params, masters, strict=True):
-        if m is not p and id(m) not in copied:
-            st.copied.append((p, m))
-            copied.add(id(m))
+    masters = st.masters_for(params)
     return type(self)._mixprec_base.add_param_group(self, {**param_group, "params": masters})

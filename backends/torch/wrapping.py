@@ -27,6 +27,7 @@ would move the parameters away from their masters and the plan.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ from .autocast import OpCasting
 from .casting import ModelCasting
 from .checkpoint import ModelCheckpoint
 from .devices import capabilities, device_capability, device_key
-from .dtypes import FLOATING, dtype_name, torch_dtype
+from .dtypes import dtype_name, torch_dtype
 from .optimizer import WrapGroup, check_patchable, patch_optimizer
 
 __all__ = ["ModelRecord", "wrap"]
@@ -232,8 +233,8 @@ def _lint(
     planned: dict[int, str],
     masters_on: bool,
 ) -> None:
-    import warnings
-
+    """Refuse loss scaling without masters for low-precision params; warn on Adam's eps."""
+    master = policy.master if masters_on else None
     lowp_direct: list[str] = []
     for opt in optimizers:
         worst: str | None = None
@@ -241,9 +242,8 @@ def _lint(
             state_dtypes = set()
             for p in group["params"]:
                 dtype = planned.get(id(p), dtype_name(p.dtype))
-                master = policy.master if masters_on else None
                 has_master = master is not None and dtype != master
-                state = master if master is not None and has_master else dtype
+                state = master if has_master else dtype
                 if is_low_precision(dtype) and not has_master:
                     lowp_direct.append(names[id(p)])
                 state_dtypes.add(state)
@@ -335,11 +335,11 @@ def wrap(models: Any, optimizers: Any = None, policy: Any = "auto", **overrides:
     group = WrapGroup(resolved, LossScaler(resolved.loss_scale), device_key(device))
     group.masters = {id(model_param): master for model_param, master in weights.pairs}
     group.model_params = {pid: param for pid, (_, param) in params.items()}
+    copied = {id(model_param): master for model_param, master in weights.copied_pairs()}
     for model, casting in zip(model_list, castings, strict=True):
         originals = _buffer_originals(casting)
         casting.apply_param_dtypes()
         casting.install(model)
-        copied = {pid: m for pid, m in group.masters.items() if m is not group.model_params[pid]}
         checkpoint = ModelCheckpoint(model, copied, originals)
         model._mixprec = ModelRecord(group, casting, checkpoint)
     local = _local_tensor() if fsdp else None
@@ -383,6 +383,6 @@ def _buffer_originals(casting: ModelCasting) -> dict[tuple[str, str], torch.Tens
         if site.dtype == FLOAT32:
             continue
         for bname, buf in site.module._buffers.items():
-            if buf is not None and buf.dtype in FLOATING and buf.dtype == torch.float32:
+            if buf is not None and buf.dtype == torch.float32:
                 out[(site.name, bname)] = buf.detach().clone()
     return out

@@ -185,13 +185,19 @@ def test_wrapping_twice_is_refused() -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = mpt.wrap(model, opt, policy="O2")
+    record = untouched(model, None)
     with pytest.raises(WrapError, match=r"already wrapped.*single wrap call"):
         mpt.wrap(model, policy="O1")
+    assert_untouched(record, model, None)
+    assert mpt.state(opt).policy == mixprec.get_policy("O2")
     fresh_model = mlp()
     opt2 = torch.optim.SGD(fresh_model.parameters(), lr=0.1)
     mpt.wrap(fresh_model, opt2, policy="O1")
+    other = mlp()
+    record = untouched(other, None)
     with pytest.raises(WrapError, match="was already wrapped"):
-        mpt.wrap(mlp(), opt2)
+        mpt.wrap(other, opt2)
+    assert_untouched(record, other, None)
     outer = nn.Sequential(model, nn.Linear(5, 2))
     with pytest.raises(WrapError, match="submodule '0' was already wrapped"):
         mpt.wrap(outer, policy="O1")
@@ -233,6 +239,24 @@ def test_parameters_on_a_device_that_cannot_compute_are_refused() -> None:
     with pytest.raises(UnsupportedDtypeError, match=r"meta.*to_empty"):
         mpt.wrap(model, opt, policy="O2")
     assert type(opt) is torch.optim.SGD and model.weight.dtype == torch.float32
+
+
+def test_a_policy_dtype_the_device_cannot_compute_is_refused_untouched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As on a pre-Ampere GPU asked for bfloat16: the error names a policy that would work."""
+    import mixprec_torch.wrapping as wrapping
+
+    fp16_only = mixprec.DeviceCapability("cpu", ("float32", "float16"), ("float16",))
+    monkeypatch.setattr(wrapping, "device_capability", lambda device: fp16_only)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    record = untouched(model, opt)
+    with pytest.raises(UnsupportedDtypeError, match=r"needs bfloat16.*compute=float16") as err:
+        mpt.wrap(model, opt, policy="O2-bf16")
+    assert isinstance(err.value, MixprecError)
+    assert_untouched(record, model, opt)
+    mpt.wrap(model, opt, policy="O2")  # the advised policy wraps
 
 
 def test_bad_policy_and_bad_arguments() -> None:
