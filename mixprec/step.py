@@ -73,6 +73,12 @@ class StepTracker:
                 "shares the loss scale once per iteration before the next backward pass"
             )
 
+    def cancel_backward(self) -> None:
+        """Take back the latest :meth:`on_backward`: the backward pass it announced never ran
+        (the user's code raised inside ``scale_loss``)."""
+        if self.backwards > 0:
+            self.backwards -= 1
+
     def on_unscale(self) -> None:
         """``unscale_()`` was called: gradients become true values."""
         stage = self.stage

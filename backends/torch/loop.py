@@ -65,7 +65,7 @@ def scale_loss(loss: torch.Tensor, optimizers: Any) -> Iterator[torch.Tensor]:
             counted.append(st)
     except BaseException:
         for st in counted:
-            st.tracker.backwards -= 1
+            st.tracker.cancel_backward()
         raise
     scaler = group.scaler
     scaled = loss if loss.dtype == torch.float32 else loss.to(torch.float32)
@@ -75,7 +75,7 @@ def scale_loss(loss: torch.Tensor, optimizers: Any) -> Iterator[torch.Tensor]:
         yield scaled
     except BaseException:
         for st in counted:
-            st.tracker.backwards -= 1
+            st.tracker.cancel_backward()
         raise
 
 

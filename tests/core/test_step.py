@@ -115,3 +115,11 @@ def test_reset_after_an_error():
     tracker.reset()
     assert tracker.stage is Stage.READY and tracker.backwards == 0
     full_step(tracker)
+
+
+def test_cancel_backward_takes_back_an_announced_backward() -> None:
+    tracker = StepTracker()
+    tracker.on_backward()
+    tracker.cancel_backward()
+    with pytest.raises(StepOrderError, match="scale_loss"):
+        tracker.on_step()
