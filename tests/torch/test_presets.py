@@ -19,6 +19,12 @@ from mixprec_torch.presets import torch_autocast_policy  # noqa: E402
 pytestmark = pytest.mark.torch
 
 STEPS = 30
+INF_STEPS = (5, 6)  # two overflows: both loops must skip them and back off the same way
+
+
+def inject_inf(model: torch.nn.Module, step: int) -> None:
+    if step in INF_STEPS:
+        next(model.parameters()).grad[0, 0] = float("inf")
 
 
 def reference(dtype: torch.dtype) -> tuple[list[float], list[torch.Tensor], float]:
@@ -32,6 +38,7 @@ def reference(dtype: torch.dtype) -> tuple[list[float], list[torch.Tensor], floa
         with torch.autocast("cpu", dtype=dtype):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
+        inject_inf(model, step)
         scaler.step(opt)
         scaler.update()
         losses.append(loss.item())
@@ -49,6 +56,7 @@ def ours(policy: mixprec.Policy) -> tuple[list[float], list[torch.Tensor], float
         loss = F.cross_entropy(model(x), y)
         with mpt.scale_loss(loss, opt) as scaled:
             scaled.backward()
+        inject_inf(model, step)
         opt.step()
         losses.append(loss.item())
     return losses, [p.detach().clone() for p in model.parameters()], mpt.state(opt).loss_scale
@@ -57,14 +65,15 @@ def ours(policy: mixprec.Policy) -> tuple[list[float], list[torch.Tensor], float
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_matches_torch_autocast_and_grad_scaler_exactly(dtype: str) -> None:
     """float16 exercises a real dynamic scaler on CPU (GradScaler's defaults); bfloat16 is CPU
-    autocast's own default dtype. Both losses and weights are bit-identical for 30 steps."""
+    autocast's own default dtype. Both losses and weights are bit-identical for 30 steps, two of
+    them overflowing on purpose."""
     policy = mixprec.get_policy("torch-autocast-cpu", compute=dtype)
     assert policy.loss_scale == mixprec.DynamicScale()  # GradScaler's defaults
     got = ours(policy)  # first: loading plugins may change torch's thread count
     want = reference(torch_dtype(dtype))
     assert got[0] == want[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
-    assert got[2] == want[2]
+    assert got[2] == want[2] == 2.0**16 * 0.5 ** len(INF_STEPS)
 
 
 def test_the_preset_intercepts_nothing_autocast_already_does() -> None:
