@@ -127,7 +127,8 @@ def run_mxnet(policy: str) -> Result:
     try:
         trainer = mpx.Trainer(net, "adam", {"learning_rate": 2e-3}, policy=policy)
     except MixprecError as exc:  # fp16 on a CPU context is refused up front
-        return Result("mxnet", policy, note=f"refused: {str(exc).splitlines()[0][:90]}")
+        advice = str(exc).split(". ")[-1].split(",")[0]  # "Use bfloat16 instead: policy=..."
+        return Result("mxnet", policy, note=f"refused up front ({type(exc).__name__}): {advice}")
     net.hybridize(static_alloc=True)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     start = time.perf_counter()
@@ -196,10 +197,11 @@ def print_table(results: list[Result]) -> None:
         speed = ""
         if r.backend in baseline and r.seconds_per_epoch:
             speed = f"  {baseline[r.backend] / r.seconds_per_epoch:.2f}x fp32 speed"
-        print(
+        line = (
             f"{r.backend:<8}{r.policy:<10}{100 * r.accuracy:>8.1f}%{r.seconds_per_epoch:>9.3f}"
             f"{r.skipped_steps:>9}{r.loss_scale:>9.0f}{speed}  {r.note}"
         )
+        print(line.rstrip())
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -61,3 +62,13 @@ def test_readme_gluon_example_runs() -> None:
 
     batches = [(mx.nd.random.normal(shape=(32, 64)), mx.nd.array([i % 10 for i in range(32)]))]
     exec(compile(_readme_block("MXNet Gluon"), "README.md#gluon", "exec"), {"batches": batches})
+
+
+def test_demo_runs_a_backend_and_reports_each_policy() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples/demo.py"), "--backend", "numpy"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=True,
+    )  # fmt: skip
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [row["policy"] for row in rows] == ["O0", "O1", "O2", "O2-bf16"]
+    assert all(row["accuracy"] > 0.95 and not row["note"] for row in rows)
