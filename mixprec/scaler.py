@@ -19,7 +19,7 @@ from mixprec.loss_scale import LossScale, loss_scale_from_state_dict
 if TYPE_CHECKING:
     from mixprec.policy import Policy
 
-__all__ = ["LossScaler", "MixprecState"]
+__all__ = ["LossScaler", "MixprecState", "ScalerCounters"]
 
 _COUNTERS = ("steps", "skipped_steps", "last_step_skipped")
 
@@ -155,3 +155,31 @@ class LossScaler:
             f"LossScaler(scale={self.scale:g}, steps={self.steps}, "
             f"skipped_steps={self.skipped_steps}, state={self.state!r})"
         )
+
+
+class ScalerCounters:
+    """Mixin for a backend object that holds a :class:`LossScaler` as ``self.scaler``: the
+    read-only ``loss_scale``, ``skipped_steps``, ``last_step_skipped`` and ``events`` users
+    expect on a trainer (``trainer.skipped_steps``)."""
+
+    scaler: LossScaler
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale the next scaled backward pass multiplies the loss by."""
+        return self.scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far because a gradient was inf or NaN."""
+        return self.scaler.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest step was skipped."""
+        return self.scaler.last_step_skipped
+
+    @property
+    def events(self) -> EventLog:
+        """The record of skips and scale changes."""
+        return self.scaler.events

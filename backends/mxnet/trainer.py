@@ -30,11 +30,10 @@ from mxnet import autograd, gluon, nd
 
 from mixprec.dtypes import is_low_precision
 from mixprec.errors import MixprecWarning, WrapError
-from mixprec.events import EventLog
 from mixprec.lint import check_adam_eps
 from mixprec.masters import MasterWeights
 from mixprec.policy import Policy
-from mixprec.scaler import LossScaler
+from mixprec.scaler import LossScaler, ScalerCounters
 from mixprec.step import StepTracker
 from mixprec_mxnet import checkpoint
 from mixprec_mxnet.casting import convert_net, param_dtypes
@@ -45,7 +44,7 @@ from mixprec_mxnet.stepping import Stepping
 __all__ = ["Trainer"]
 
 
-class Trainer(Stepping, gluon.Trainer):
+class Trainer(ScalerCounters, Stepping, gluon.Trainer):
     """A ``gluon.Trainer`` that trains under a mixprec policy.
 
     :param net_or_params: the net (a ``Block``, converted in place per the policy) or its
@@ -153,26 +152,6 @@ class Trainer(Stepping, gluon.Trainer):
             else:
                 scaled = loss * scale
         yield scaled
-
-    @property
-    def loss_scale(self) -> float:
-        """The scale the next ``scale_loss`` multiplies by."""
-        return self.scaler.scale
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped so far because a gradient was inf or NaN."""
-        return self.scaler.skipped_steps
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the latest step was skipped."""
-        return self.scaler.last_step_skipped
-
-    @property
-    def events(self) -> EventLog:
-        """The record of skips and scale changes."""
-        return self.scaler.events
 
     # ------------------------------------------------------------------ masters
 

@@ -24,7 +24,7 @@ from mixprec.lint import check_scaler_without_masters
 from mixprec.masters import MasterWeights
 from mixprec.plugins import policy_resolved
 from mixprec.policy import Policy
-from mixprec.scaler import LossScaler
+from mixprec.scaler import LossScaler, ScalerCounters
 from mixprec.step import StepTracker
 from mixprec_numpy.capabilities import resolve_policy
 from mixprec_numpy.casting import Array, cast, float32
@@ -34,7 +34,7 @@ from mixprec_numpy.optimizer import SGD
 __all__ = ["Trainer"]
 
 
-class Trainer:
+class Trainer(ScalerCounters):
     """Converts ``model`` to ``policy`` in place and trains it with ``optimizer``.
 
     :param policy: a preset name, key-grammar string or :class:`~mixprec.policy.Policy`;
@@ -108,16 +108,6 @@ class Trainer:
             param.grad = master.grad = None
         self.tracker.on_update()
         return skipped
-
-    @property
-    def loss_scale(self) -> float:
-        """The scale the next backward pass multiplies the loss by."""
-        return self.scaler.scale
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped so far because a gradient was inf/NaN."""
-        return self.scaler.skipped_steps
 
     # ------------------------------------------------------------------ checkpoints
 
