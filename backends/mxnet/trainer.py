@@ -28,7 +28,7 @@ from typing import Any
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from mixprec.dtypes import is_low_precision
+from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.lint import check_adam_eps
 from mixprec.masters import MasterWeights
@@ -126,7 +126,10 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         eps = getattr(self._optimizer, "epsilon", None)
         if eps is None:
             return
-        state = self.policy.master or self.policy.param
+        # MXNet's optimizer kernels reject bfloat16 weights, so without masters a bfloat16
+        # net is updated through float32 copies and Adam's state is float32 either way
+        param = self.policy.param
+        state = self.policy.master or (FLOAT32 if param == BFLOAT16 else param)
         message = check_adam_eps(type(self._optimizer).__name__, float(eps), state)
         if message:
             warnings.warn(message, MixprecWarning, stacklevel=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -281,9 +282,12 @@ def test_plain_block_with_deferred_shapes_and_o2_is_refused() -> None:
         Trainer(net, "sgd", policy="O2-bf16")
 
 
-def test_adam_eps_lint_fires_for_low_precision_optimizer_state() -> None:
-    with pytest.warns(MixprecWarning, match="eps"):
+def test_adam_eps_lint_checks_the_dtype_the_optimizer_state_lives_in() -> None:
+    with pytest.warns(MixprecWarning, match="eps"):  # 1e-45 is below even float32's range
         Trainer(mlp(), "adam", {"epsilon": 1e-45}, policy="O3-bf16")
+    with warnings.catch_warnings():  # bf16 weights are updated through float32 copies
+        warnings.simplefilter("error", MixprecWarning)
+        Trainer(mlp(), "adam", {"epsilon": 1e-42}, policy="O3-bf16")  # < bf16 subnormals
 
 
 def test_a_pinned_module_is_an_island_with_its_children() -> None:
