@@ -1,4 +1,4 @@
-"""The ``mixprec`` console script.
+"""mixprec: inspect precision policies, the rules behind each op, and installed backends.
 
 Subcommands:
   ``mixprec policies``               each preset's roles and op lists
