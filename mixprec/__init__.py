@@ -61,6 +61,11 @@ _LAZY: dict[str, str] = {
     "DeviceCapability": "mixprec.backend",
     "load_backend": "mixprec.backend",
     "list_backends": "mixprec.plugins",
+    "ModuleDtypes": "mixprec.diagnostics",
+    "OverflowRecord": "mixprec.diagnostics",
+    "format_dtype_report": "mixprec.diagnostics",
+    "format_underflow": "mixprec.diagnostics",
+    "underflow_threshold": "mixprec.diagnostics",
 }
 
 __all__ = [
@@ -80,9 +85,11 @@ __all__ = [
     "MixprecError",
     "MixprecState",
     "MixprecWarning",
+    "ModuleDtypes",
     "ModuleRule",
     "NoScale",
     "OpRules",
+    "OverflowRecord",
     "PluginError",
     "Policy",
     "PolicyError",
@@ -94,7 +101,9 @@ __all__ = [
     "UnsupportedDtypeError",
     "WrapError",
     "canonical_dtype",
+    "format_dtype_report",
     "format_info",
+    "format_underflow",
     "get_policy",
     "hookimpl",
     "list_backends",
@@ -102,10 +111,18 @@ __all__ = [
     "load_toml",
     "preset_names",
     "resolve_auto",
+    "underflow_threshold",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.backend import BackendInfo, Capabilities, DeviceCapability, load_backend
+    from mixprec.diagnostics import (
+        ModuleDtypes,
+        OverflowRecord,
+        format_dtype_report,
+        format_underflow,
+        underflow_threshold,
+    )
     from mixprec.dtypes import FormatInfo, canonical_dtype, format_info
     from mixprec.events import EventLog, ScaleEvent
     from mixprec.hookspecs import hookimpl

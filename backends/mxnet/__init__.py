@@ -24,6 +24,7 @@ masters and initial broadcast),
 pass), :mod:`.ops` (neutral families to MXNet op names), :mod:`.checkpoint`,
 :mod:`.devices` (``capabilities()``: a module named ``capabilities`` would shadow the
 function once imported), :mod:`.dtypes`, :mod:`.distributed` (kvstore ``dist_sync``),
+:mod:`.diagnostics` (``dtype_report``, ``overflowing_params``, ``underflow_fraction``),
 :mod:`.conformance` and :mod:`.plugin` (the entry point, which never imports MXNet).
 """
 
@@ -39,10 +40,14 @@ __all__ = [
     "capabilities",
     "cast",
     "conformance_adapter",
+    "dtype_report",
     "master_params",
+    "overflow_records",
+    "overflowing_params",
     "resolve_policy",
     "scale_loss",
     "state",
+    "underflow_fraction",
     "unscale",
 ]
 
@@ -57,12 +62,22 @@ _LAZY = {
     "capabilities": "mixprec_mxnet.devices",
     "cast": "mixprec_mxnet.dtypes",
     "conformance_adapter": "mixprec_mxnet.conformance",
+    "dtype_report": "mixprec_mxnet.diagnostics",
+    "overflowing_params": "mixprec_mxnet.diagnostics",
+    "overflow_records": "mixprec_mxnet.diagnostics",
+    "underflow_fraction": "mixprec_mxnet.diagnostics",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from mixprec.scaler import MixprecState
     from mixprec_mxnet.conformance import conformance_adapter
     from mixprec_mxnet.devices import capabilities, resolve_policy
+    from mixprec_mxnet.diagnostics import (
+        dtype_report,
+        overflow_records,
+        overflowing_params,
+        underflow_fraction,
+    )
     from mixprec_mxnet.dtypes import cast
     from mixprec_mxnet.loop import master_params, scale_loss, state, unscale
     from mixprec_mxnet.trainer import Trainer

@@ -97,7 +97,12 @@ class Stepping(MasterSetup):
         try:
             self.allreduce_grads()
             scale = self.scaler.scale
-            skipped = self.scaler.update(self._found_inf())
+            found_inf = self._found_inf()
+            if found_inf:  # before the update, so skip hooks can already ask what overflowed
+                from mixprec_mxnet.diagnostics import record_overflows
+
+                record_overflows(self, self.scaler.steps)  # type: ignore[arg-type]
+            skipped = self.scaler.update(found_inf)
             if skipped:
                 self._consume(ignore_stale_grad)
             else:

@@ -17,7 +17,8 @@ converting models and optimizers), :mod:`.casting` (parameter, boundary and isla
 :mod:`.optimizer` (patching optimizers), :mod:`.optimizer_state` (per-optimizer state and
 unscaling), :mod:`.step` (the patched step), :mod:`.loop` (``scale_loss``, ``unscale_``,
 ``master_params``, ``state``), :mod:`.probes` (the op-family probe calls),
-:mod:`.checkpoint` (state dicts), :mod:`.devices`
+:mod:`.checkpoint` (state dicts), :mod:`.diagnostics` (``dtype_report``,
+``overflowing_params``, ``underflow_fraction``), :mod:`.devices`
 (``capabilities()``; not ``capabilities.py``, which would shadow the lazy function),
 :mod:`.dtypes`, :mod:`.distributed` (DDP/FSDP2; its ``fully_shard_with_policy``,
 ``fsdp_mixed_precision_policy``, ``register_ddp_reduce_hook`` and ``all_reduce_found_inf``
@@ -37,12 +38,16 @@ __all__ = [
     "all_reduce_found_inf",
     "capabilities",
     "conformance_adapter",
+    "dtype_report",
     "fsdp_mixed_precision_policy",
     "fully_shard_with_policy",
     "master_params",
+    "overflow_records",
+    "overflowing_params",
     "register_ddp_reduce_hook",
     "scale_loss",
     "state",
+    "underflow_fraction",
     "unscale_",
     "wrap",
 ]
@@ -60,12 +65,22 @@ _LAZY = {
     "fsdp_mixed_precision_policy": "mixprec_torch.distributed",
     "register_ddp_reduce_hook": "mixprec_torch.distributed",
     "all_reduce_found_inf": "mixprec_torch.distributed",
+    "dtype_report": "mixprec_torch.diagnostics",
+    "overflowing_params": "mixprec_torch.diagnostics",
+    "overflow_records": "mixprec_torch.diagnostics",
+    "underflow_fraction": "mixprec_torch.diagnostics",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from mixprec.scaler import MixprecState
     from mixprec_torch.conformance import conformance_adapter
     from mixprec_torch.devices import capabilities
+    from mixprec_torch.diagnostics import (
+        dtype_report,
+        overflow_records,
+        overflowing_params,
+        underflow_fraction,
+    )
     from mixprec_torch.distributed import (
         all_reduce_found_inf,
         fsdp_mixed_precision_policy,

@@ -11,12 +11,13 @@ share (see :mod:`mixprec_torch.optimizer` for how rounds work).
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from mixprec.diagnostics import OverflowRecord
 from mixprec.errors import WrapError
 from mixprec.policy import Policy
 from mixprec.scaler import LossScaler
@@ -46,6 +47,8 @@ class WrapGroup:
         """id(model param) -> its master (the param itself where no copy is kept)."""
         self.model_params: dict[int, torch.nn.Parameter] = {}
         """id(model param) -> model param, every parameter of the wrapped models."""
+        self.names: dict[int, str] = {}
+        """id(model param) -> its qualified name, for diagnostics."""
 
     def live_states(self) -> list[OptimizerState]:
         """The optimizer states of this group whose optimizers still exist."""
@@ -76,6 +79,8 @@ class OptimizerState:
         self.found_inf: list[torch.Tensor] = []
         self.round: Round | None = None
         self.implicit_unscale = False
+        self.overflows: deque[OverflowRecord] = deque(maxlen=100)
+        """The parameters that overflowed, per skipped step (filled only on a skip)."""
 
     # ------------------------------------------------------------------ masters
 

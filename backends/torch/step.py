@@ -17,6 +17,7 @@ import torch
 from mixprec.errors import StepOrderError, WrapError
 from mixprec.step import Stage
 
+from .diagnostics import record_overflows
 from .distributed import all_reduce_found_inf, is_distributed
 from .optimizer_state import OptimizerState, Round, WrapGroup, optimizer_state
 
@@ -61,6 +62,8 @@ def _decide_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
                 st.implicit_unscale = True
         flags.extend(st.found_inf)
     found_inf = _reduce_found_inf(flags, group.device)
+    if found_inf:  # before the update, so skip hooks can already ask which params overflowed
+        record_overflows(group.scaler.steps, members)
     skipped = group.scaler.update(found_inf)
     decision = Round(skipped)
     for st, _ in members:

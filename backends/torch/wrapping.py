@@ -335,6 +335,7 @@ def wrap(models: Any, optimizers: Any = None, policy: Any = "auto", **overrides:
     group = WrapGroup(resolved, LossScaler(resolved.loss_scale), device_key(device))
     group.masters = {id(model_param): master for model_param, master in weights.pairs}
     group.model_params = {pid: param for pid, (_, param) in params.items()}
+    group.names = names
     copied = {id(model_param): master for model_param, master in weights.copied_pairs()}
     for model, casting in zip(model_list, castings, strict=True):
         originals = _buffer_originals(casting)

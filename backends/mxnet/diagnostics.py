@@ -1,0 +1,177 @@
+"""Diagnostics for a mixprec Trainer: dtype report, overflow names, underflow fractions.
+
+The same names as :mod:`mixprec_torch.diagnostics`, taking the trainer (or, for the dtype
+report, the net the trainer converted):
+
+- :func:`dtype_report` prints each block's parameter dtype and the rule that chose it;
+- :func:`overflowing_params` names the parameters whose gradients were inf or NaN on the
+  latest skipped step. :func:`record_overflows` finds them; the step calls it only when the
+  overflow check fired, before the scaler's hooks run, so a normal step pays nothing;
+- :func:`underflow_fraction` measures, on demand, how much of each gradient is too small for
+  a dtype. Call it between the backward pass and ``step()`` (or after ``unscale()``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from mxnet import gluon, nd
+
+from mixprec.diagnostics import (
+    ModuleDtypes,
+    OverflowRecord,
+    dtype_rows,
+    format_dtype_report,
+    underflow_threshold,
+)
+from mixprec.dtypes import FLOAT32, is_low_precision
+from mixprec.errors import WrapError
+from mixprec.step import Stage
+from mixprec_mxnet import checkpoint
+from mixprec_mxnet.casting import needs_fp32_params, plan_net
+from mixprec_mxnet.dtypes import cast, dtype_name
+from mixprec_mxnet.stepping import count_nonfinite
+
+if TYPE_CHECKING:
+    from mixprec_mxnet.trainer import Trainer
+
+__all__ = [
+    "dtype_report",
+    "module_dtypes",
+    "overflow_records",
+    "overflowing_params",
+    "record_overflows",
+    "underflow_fraction",
+]
+
+_KEPT = 100
+
+
+def _trainer_of(net_or_trainer: Any, what: str) -> Trainer:
+    from mixprec_mxnet.trainer import Trainer
+
+    if isinstance(net_or_trainer, Trainer):
+        return net_or_trainer
+    saver = getattr(net_or_trainer, "save_parameters", None)
+    # the Trainer binds itself into the net's save_parameters when it converts the net
+    if isinstance(saver, functools.partial) and saver.func is checkpoint.save_parameters:
+        return saver.args[0]  # type: ignore[no-any-return]
+    raise WrapError(
+        f"{what} needs a mixprec.mxnet.Trainer or the net one converted, got "
+        f"{type(net_or_trainer).__name__}; build the trainer first: "
+        "trainer = mixprec.mxnet.Trainer(net, optimizer, policy=...)"
+    )
+
+
+def _own_dtype(block: gluon.Block) -> str:
+    dtypes = sorted({dtype_name(p.dtype) for p in block._reg_params.values()})
+    return "/".join(dtypes) if dtypes else "-"
+
+
+def module_dtypes(net_or_trainer: Any, *, every_module: bool = False) -> list[ModuleDtypes]:
+    """The rows of :func:`dtype_report`: blocks with parameters of their own or a module
+    rule (every block with ``every_module=True``), parents first."""
+    trainer = _trainer_of(net_or_trainer, "module_dtypes")
+    net, policy = trainer._net, trainer.policy
+    if net is None:
+        raise WrapError(
+            "this Trainer was given parameters, not the net, so it has no blocks to report; "
+            "pass the net itself: Trainer(net, ...)"
+        )
+    sites = plan_net(net, policy, trainer.device)
+    reasons = {}
+    for site in sites:
+        info = site.info
+        if needs_fp32_params(info) and is_low_precision(site.dtype):
+            reasons[info.path] = (site.dtype, "float32 params: MXNet's BatchNorm kernel needs them")
+        elif site.outside is not None and policy.module_dtype(info.path, info.classes) is None:
+            reasons[info.path] = (site.dtype, f"{site.dtype} island: no {site.outside} kernel")
+    rows = dtype_rows(
+        policy, ((s.info.path, s.info.classes, _own_dtype(s.info.block)) for s in sites), reasons
+    )
+    return [
+        row
+        for row, site in zip(rows, sites, strict=True)
+        if every_module
+        or row.param_dtype != "-"
+        or any(r.matches(site.info.path, site.info.classes) for r in policy.modules)
+    ]
+
+
+def dtype_report(net_or_trainer: Any, *, every_module: bool = False) -> str:
+    """A printable table of each block's parameter dtype, compute dtype and why."""
+    return format_dtype_report(module_dtypes(net_or_trainer, every_module=every_module))
+
+
+# ---------------------------------------------------------------------- overflow
+
+
+def _named(trainer: Trainer) -> list[tuple[str, gluon.Parameter, gluon.Parameter]]:
+    """(name, model parameter, master) for every parameter with a gradient."""
+    names = {id(p): n for n, p in checkpoint._named_params(trainer).items()}
+    return [(names.get(id(p), p.name), p, m) for p, m in trainer._trainable_pairs()]
+
+
+def _records(trainer: Trainer) -> deque[OverflowRecord]:
+    records: deque[OverflowRecord] | None = getattr(trainer, "_overflows", None)
+    if records is None:
+        records = deque(maxlen=_KEPT)
+        trainer._overflows = records  # type: ignore[attr-defined]
+    return records
+
+
+def record_overflows(trainer: Trainer, step: int) -> None:
+    """Record which parameters' master gradients hold an inf or NaN (on a skipped step)."""
+    named = _named(trainer)
+    flags = [count_nonfinite(master.list_grad()) for _, _, master in named]
+    counts = nd.concat(*[f.reshape((1,)) for f in flags], dim=0).asnumpy() if flags else []
+    found = tuple(dict.fromkeys(n for (n, _, _), c in zip(named, counts, strict=True) if c > 0))
+    _records(trainer).append(OverflowRecord(step, found))
+
+
+def overflowing_params(trainer: Trainer) -> list[str]:
+    """Names (``"0.weight"``, as ``net.save_parameters`` keys them) of the parameters whose
+    gradients were inf or NaN on the latest skipped step; empty before the first skip."""
+    records = _records(_trainer_of(trainer, "overflowing_params"))
+    return list(records[-1].params) if records else []
+
+
+def overflow_records(trainer: Trainer) -> list[OverflowRecord]:
+    """The :class:`mixprec.OverflowRecord` of each of the last 100 skipped steps, oldest first."""
+    return list(_records(_trainer_of(trainer, "overflow_records")))
+
+
+# ---------------------------------------------------------------------- underflow
+
+
+def underflow_fraction(trainer: Trainer, dtype: str = "float16") -> dict[str, float]:
+    """For each parameter with a gradient: the fraction of its nonzero gradient elements whose
+    true (unscaled) magnitude is below ``dtype``'s smallest normal number.
+
+    Before ``step()`` the model's scaled gradients (every context) are divided by the loss
+    scale; after ``unscale()`` the unscaled master gradients are read. One pass over the
+    gradients and one host sync: a diagnostic, not for every step.
+    """
+    trainer = _trainer_of(trainer, "underflow_fraction")
+    threshold = underflow_threshold(dtype)
+    unscaled = trainer._tracker.stage is Stage.UNSCALED
+    limit = (
+        threshold if unscaled or not trainer.scaler.enabled else threshold * trainer.scaler.scale
+    )
+    names, small, nonzero = [], [], []
+    for name, param, master in _named(trainer):
+        grads = master.list_grad() if unscaled else param.list_grad()
+        magnitude = nd.concat(*[cast(g, FLOAT32).reshape((-1,)) for g in grads], dim=0).abs()
+        names.append(name)
+        small.append(((magnitude < limit) * (magnitude != 0)).sum())
+        nonzero.append((magnitude != 0).sum())
+    if not names:
+        return {}
+    small_n = nd.concat(*small, dim=0).asnumpy()
+    nonzero_n = nd.concat(*nonzero, dim=0).asnumpy()
+    return {
+        name: float(s / n) if n else 0.0
+        for name, s, n in zip(names, small_n, nonzero_n, strict=True)
+    }
