@@ -307,6 +307,12 @@ def child_env(opts: Options) -> dict[str, str]:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", THREADS_ENV):
         env[var] = n
     env["MXNET_CPU_WORKER_NTHREADS"] = "1"  # MXNet's engine threads; OMP does the op threads
+    # glibc hands large freed blocks back to the OS and page-faults them in again; which step
+    # pays depends on the heap's history, so medians came out bimodal (60 or 90 ms for one
+    # contender). Pinning the thresholds measures every contender in its steady state.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 2**20))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 * 2**30))
+    env.setdefault("MALLOC_TOP_PAD_", str(256 * 2**20))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONWARNINGS", "ignore")
     return env
