@@ -28,6 +28,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check mixprec backends plugins tests benchmarks examples
 	$(BIN)/ruff format --check mixprec backends plugins tests benchmarks examples
 	$(BIN)/mypy
+	mkdir -p build/typecheck
+	ln -sfn ../../backends/torch build/typecheck/mixprec_torch
+	ln -sfn ../../backends/mxnet build/typecheck/mixprec_mxnet
+	$(BIN)/mypy -p mixprec_torch -p mixprec_mxnet
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks

@@ -205,13 +205,15 @@ def _blocked_conv_output(x: Any, params: Any) -> bool:
     if len(graph["heads"]) != 1 or head["op"] != "Convolution":
         return False
     weight = params.get(nodes[head["inputs"][1][0]]["name"]) if len(head["inputs"]) > 1 else None
-    shape = weight.shape if isinstance(weight, gluon.Parameter) and weight.shape else ()
+    shape: tuple[int, ...] = ()
+    if isinstance(weight, gluon.Parameter) and weight.shape:
+        shape = tuple(weight.shape)
     if len(shape) > 1 and shape[1] > 0:
         return shape[1] % 16 == 0
     data = nodes[head["inputs"][0][0]]  # channels not inferred yet: not on the net's input
     while data["op"] in ("amp_cast", "Cast"):
         data = nodes[data["inputs"][0][0]]
-    return data["op"] != "null"
+    return bool(data["op"] != "null")
 
 
 def _wrap_island(block: gluon.Block, inside: str, outside: str, fused: Any = None) -> None:

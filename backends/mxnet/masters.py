@@ -120,9 +120,9 @@ class MasterSetup:
         master's or the parameter's gradients where one has the reduce dtype, else buffers."""
         reduce = self.policy.reduce
         if dtype_name(master.dtype) == reduce:
-            return master.list_grad()
+            return list(master.list_grad())
         if dtype_name(param.dtype) == reduce:
-            return param.list_grad()
+            return list(param.list_grad())
         buffers = self._buffers.get(id(param))
         if buffers is None:
             buffers = [

@@ -21,6 +21,7 @@ tracker and the resolved policy under the ``"mixprec"`` key
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from torch import nn
 from mixprec.errors import CheckpointError, MixprecWarning
 from mixprec.policy import Policy
 from mixprec.scaler import LossScaler
+
+from .optimizer_state import base_class
 
 __all__ = ["ModelCheckpoint", "load_optimizer_state_dict", "optimizer_state_dict"]
 
@@ -49,7 +52,7 @@ class ModelCheckpoint:
     def __init__(
         self,
         model: nn.Module,
-        masters: dict[int, torch.Tensor],
+        masters: Mapping[int, torch.Tensor],
         buffers: dict[tuple[str, str], torch.Tensor],
     ) -> None:
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
@@ -156,8 +159,7 @@ def _rounds_to(master: torch.Tensor, param: torch.Tensor) -> bool:
 
 def optimizer_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state dict plus mixprec's: scaler, step tracker, resolved policy."""
-    base = type(self)._mixprec_base
-    sd = base.state_dict(self)
+    sd: dict[str, Any] = base_class(self).state_dict(self)
     st = getattr(self, "_mixprec", None)
     if st is not None:
         sd[_STATE_KEY] = {
@@ -200,7 +202,7 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
         scaler = st.group.scaler
         probe = LossScaler(scaler.state.fresh())
         probe.load_state_dict(extra["scaler"])
-    base = type(self)._mixprec_base
+    base = base_class(self)
     base.load_state_dict(self, state_dict)
     if extra is not None and st is not None:
         st.group.scaler.load_state_dict(extra["scaler"])

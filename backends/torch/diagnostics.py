@@ -177,11 +177,11 @@ def underflow_fraction(model_or_optimizer: Any, dtype: str = "float16") -> dict[
         held = {id(p) for g in model_or_optimizer.param_groups for p in g["params"]}
         wanted = {pid for pid, master in group.masters.items() if id(master) in held}
     owners: dict[int, OptimizerState] = {}
-    for st in group.live_states():
-        opt = st.optimizer()
+    for live in group.live_states():
+        opt = live.optimizer()
         if opt is not None:
             for g in opt.param_groups:
-                owners.update({id(p): st for p in g["params"]})
+                owners.update({id(p): live for p in g["params"]})
     scaler = group.scaler
     names: list[str] = []
     ratios: list[torch.Tensor] = []

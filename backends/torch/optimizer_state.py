@@ -167,6 +167,12 @@ class OptimizerState:
         self.found_inf = found_list
 
 
+def base_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    """The optimizer's own class, beneath the subclass ``wrap`` swapped in (see optimizer.py)."""
+    base: type[torch.optim.Optimizer] = type(optimizer)._mixprec_base  # type: ignore[attr-defined]
+    return base
+
+
 def optimizer_state(optimizer: Any, what: str = "this call") -> OptimizerState:
     """The mixprec state of a wrapped optimizer; WrapError naming the fix otherwise."""
     st = getattr(optimizer, "_mixprec", None)

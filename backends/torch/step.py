@@ -19,7 +19,7 @@ from mixprec.step import Stage
 
 from .diagnostics import record_overflows
 from .distributed import all_reduce_found_inf, is_distributed
-from .optimizer_state import OptimizerState, Round, WrapGroup, optimizer_state
+from .optimizer_state import OptimizerState, Round, WrapGroup, base_class, optimizer_state
 
 __all__ = ["add_param_group", "step", "zero_grad"]
 
@@ -88,7 +88,7 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     tracker.on_step()
     try:
         if not decision.skipped:
-            base = type(self)._mixprec_base
+            base = base_class(self)
             base.step(self)
             st.copy_masters_to_model()
     finally:
@@ -103,7 +103,7 @@ step.hooked = True  # type: ignore[attr-defined]  # torch's profiling wrapper is
 
 def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     """Zero the masters' gradients (the optimizer's params) and the model's gradients."""
-    base = type(self)._mixprec_base
+    base = base_class(self)
     base.zero_grad(self, set_to_none)
     st = getattr(self, "_mixprec", None)
     if st is None:
@@ -128,7 +128,8 @@ def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) ->
     """Add a group of *model* parameters; the optimizer receives their masters."""
     st = getattr(self, "_mixprec", None)
     if st is None:  # during __init__ of a re-created instance
-        return type(self)._mixprec_base.add_param_group(self, param_group)
+        base_class(self).add_param_group(self, param_group)
+        return
     group = st.group
     params = param_group["params"]
     params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -140,4 +141,4 @@ def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) ->
             "pass every model whose parameters the optimizer updates to the same wrap call"
         )
     masters = st.masters_for(params)
-    return type(self)._mixprec_base.add_param_group(self, {**param_group, "params": masters})
+    base_class(self).add_param_group(self, {**param_group, "params": masters})

@@ -239,11 +239,11 @@ def _lint(
     for opt in optimizers:
         worst: str | None = None
         for group in opt.param_groups:
-            state_dtypes = set()
+            state_dtypes: set[str] = set()
             for p in group["params"]:
                 dtype = planned.get(id(p), dtype_name(p.dtype))
-                has_master = master is not None and dtype != master
-                state = master if has_master else dtype
+                state = master if master is not None and dtype != master else dtype
+                has_master = state != dtype
                 if is_low_precision(dtype) and not has_master:
                     lowp_direct.append(names[id(p)])
                 state_dtypes.add(state)
