@@ -2,46 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _policy_cases import ALIASES, ALL_NAMES, BN, round_trips
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mixprec import plugins
 from mixprec.errors import PolicyError
 from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
 from mixprec.ops import OP_FAMILIES
 from mixprec.policy import ModuleRule, OpRules, Policy
 from mixprec.presets import get_policy, load_toml
 
-ALL_NAMES = ["O0", "O1", "O2", "O3", "O1-bf16", "O2-bf16", "O3-bf16", "auto"]
-ALIASES = {
-    "32": "O0",
-    "16-mixed": "O1",
-    "bf16-mixed": "O1-bf16",
-    "16-true": "O3",
-    "bf16-true": "O3-bf16",
-}
-BN = ModuleRule("class", "*BatchNorm*", "float32")
-
-
-@pytest.fixture(autouse=True)
-def fresh_plugins() -> Iterator[None]:
-    plugins.reset()
-    yield
-    plugins.reset()
-
-
-def round_trips(policy: Policy) -> None:
-    assert get_policy(str(policy)) == policy, str(policy)
-    assert Policy.from_dict(policy.to_dict()) == policy
-    assert get_policy(json.loads(json.dumps(policy.to_dict()))) == policy
-    assert load_toml(policy.to_toml()) == policy, policy.to_toml()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 
 # ---------------------------------------------------------------------- the key grammar
