@@ -40,6 +40,13 @@ needs_gloo = pytest.mark.skipif(
 )
 
 
+def two_ranks(test: Any) -> Any:
+    """The marks of a test that runs in the shared two-process gloo launch."""
+    for mark in (pytest.mark.timeout(150), pytest.mark.slow, pytest.mark.distributed, needs_gloo):
+        test = mark(test)
+    return test
+
+
 def run_ranks(scenarios: list[str], workdir: Path, timeout: float = 120.0) -> list[dict[str, Any]]:
     """Run ``scenarios`` on WORLD processes; each rank's results by scenario, rank 0 first."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="")
@@ -108,10 +115,7 @@ def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
 # two ranks
 
 
-@needs_gloo
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(150)
+@two_ranks
 def test_ddp_inf_on_one_rank_skips_the_step_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = scenario(ranks, "ddp_skip")
     for r in (r0, r1):
@@ -130,10 +134,7 @@ def test_ddp_inf_on_one_rank_skips_the_step_on_every_rank(ranks: list[dict[str, 
     assert r0["masters_final"] == r1["masters_final"]
 
 
-@needs_gloo
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(150)
+@two_ranks
 def test_ddp_bf16_policies_keep_ranks_identical(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = scenario(ranks, "ddp_bf16")
     for policy in ("O2-bf16", "O1-bf16"):
@@ -150,10 +151,7 @@ def test_ddp_bf16_policies_keep_ranks_identical(ranks: list[dict[str, Any]]) -> 
     assert set(r0["O1-bf16"]["param_dtypes"]) == {"torch.float32"}
 
 
-@needs_gloo
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(150)
+@two_ranks
 def test_fsdp2_bf16_trains_and_skips_together(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = scenario(ranks, "fsdp_bf16")
     for r in (r0, r1):
@@ -175,10 +173,7 @@ def test_fsdp2_bf16_trains_and_skips_together(ranks: list[dict[str, Any]]) -> No
         assert r["moved_after_skip"], "training did not continue"
 
 
-@needs_gloo
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(150)
+@two_ranks
 def test_fsdp2_o1_bf16_shards_in_float32_and_casts_per_op(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = scenario(ranks, "fsdp_o1_bf16")
     for r in (r0, r1):
