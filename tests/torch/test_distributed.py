@@ -7,6 +7,7 @@ single-process behaviour.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -230,6 +231,7 @@ def one_rank_group() -> Any:
     try:
         yield
     finally:
+        gc.collect()  # FSDP modules left in cycles would keep the group alive past destroy
         torch.distributed.destroy_process_group()
 
 
