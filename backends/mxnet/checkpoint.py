@@ -10,8 +10,12 @@
 - Both files are written atomically (:mod:`mixprec.atomic`: a temporary file in the same
   folder, fsync, rename): a save killed or failing half-way leaves the previous file whole.
 - ``trainer.save_states(f)`` pickles the optimizer state (MXNet's own format, over the
-  masters), the loss-scaler state and the policy; ``load_states`` refuses a file saved under
-  another policy.
+  masters), the loss-scaler state and the policy (and under ``master=kahan|stochastic`` the
+  exact compensation and the random stream); ``load_states`` refuses a file saved under
+  another policy. Optimizer state is matched to parameters by the names above, so a net
+  whose Gluon names (``dense3_weight``) differ from the saved one's resumes all the same.
+- Under ``master=kahan`` the float32 value saved for a bfloat16 weight is ``w + c``, the
+  best the strategy knows; loading it splits it again (:mod:`.compensation`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from mixprec.policy import Policy
 from mixprec.scaler import LossScaler
 
 from .dtypes import cast, cast_into
-from .gluon_private import params_with_prefix
+from .gluon_private import params_with_prefix, reindex_update_counts
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -210,7 +214,10 @@ def save_states(trainer: Trainer, filename: str) -> None:
         "optimizer": trainer._updaters[0].get_states(dump_optimizer=True),
         "scaler": trainer.scaler.state_dict(),
         "policy": trainer.policy.to_dict(),
+        "names": param_names(trainer),
     }
+    if trainer._compensation is not None:  # the exact compensation and the random stream
+        blob["compensation"] = trainer._compensation.state_dict(_names_by_id(trainer))
     atomic_write_bytes(filename, pickle.dumps(blob))
 
 
@@ -253,13 +260,58 @@ def load_states(trainer: Trainer, filename: str) -> None:
         )
         states = raw
     _check_optimizer_states(states, len(trainer._params), filename)
+    if scaler_state is not None:  # a mixprec file: its optimizer state may need renumbering
+        new_index = _new_indices(blob.get("names"), param_names(trainer))
+        if new_index:
+            states = _reindexed(states, new_index)
+    compensation = trainer._compensation
+    names = _names_by_id(trainer)
+    if compensation is not None:
+        compensation.check_state_dict(blob.get("compensation"), filename, names)
     if scaler_state is not None:
         trainer.scaler.load_state_dict(scaler_state)
+    if compensation is not None:
+        compensation.load_state_dict(blob["compensation"], names)
     for updater in trainer._updaters:
         updater.set_states(states)
         updater.optimizer = trainer._updaters[0].optimizer
     trainer._optimizer = trainer._updaters[0].optimizer
     trainer._optimizer.param_dict = dict(enumerate(trainer._params))
+
+
+def param_names(trainer: Trainer) -> list[str]:
+    """The name ``save_parameters`` keys each of the trainer's parameters by (``"0.weight"``),
+    in the trainer's index order."""
+    names = _names_by_id(trainer)
+    return [names.get(id(p), p.name) for p in trainer._params]
+
+
+def _names_by_id(trainer: Trainer) -> dict[int, str]:
+    first: dict[int, str] = {}
+    for name, param in _named_params(trainer).items():
+        first.setdefault(id(param), name)  # a shared parameter keeps its first name
+    return first
+
+
+def _new_indices(saved: Any, current: list[str]) -> dict[int, int] | None:
+    """``{saved index: index here}`` when the same parameters are numbered differently here
+    (``gluon.Trainer`` sorts them by global names, which differ between two nets of one
+    architecture built in one process); None when nothing moves or the names do not match."""
+    if not isinstance(saved, list) or sorted(saved) != sorted(current) or saved == current:
+        return None
+    here = {name: i for i, name in enumerate(current)}
+    return {i: here[name] for i, name in enumerate(saved)}
+
+
+def _reindexed(states: bytes, new_index: dict[int, int]) -> bytes:
+    """Optimizer state (``Updater.get_states`` bytes, checked) with its per-parameter states
+    and update counts moved to the indices this trainer gives the same parameters."""
+    inner = pickle.loads(states)
+    if isinstance(inner, tuple):
+        per_param, optimizer = inner
+        reindex_update_counts(optimizer, new_index)
+        return pickle.dumps(({new_index.get(k, k): v for k, v in per_param.items()}, optimizer))
+    return pickle.dumps({new_index.get(k, k): v for k, v in inner.items()})
 
 
 def _unpickle(raw: bytes, filename: str, what: str) -> Any:

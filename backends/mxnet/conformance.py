@@ -112,6 +112,7 @@ class MXNetAdapter:
 
     name = "mxnet"
     device = "cpu"
+    master_strategies = ("kahan", "stochastic")
 
     def supported_ops(self) -> Collection[str]:
         """Families with a test case whose native ops run every rule in bfloat16 on CPU."""
@@ -175,7 +176,8 @@ class MXNetConformanceTrainer:
         return {k: _values(p.data()) for k, p in self._named().items()}
 
     def master_params(self) -> dict[str, list[float]]:
-        """The optimizer's masters (the parameter itself where there is no copy)."""
+        """The optimizer's masters (the parameter itself where there is no copy); under
+        ``master=kahan`` the working masters hold ``w + c`` between steps."""
         master_for = self.trainer._ensure_prepared().master_for
         return {k: _values(master_for(p).data()) for k, p in self._named().items()}
 

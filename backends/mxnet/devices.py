@@ -122,13 +122,6 @@ def resolve_policy(spec: Any, contexts: Sequence[mx.Context], **overrides: Any) 
     """
 
     def check(policy: Policy) -> None:
-        if policy.master_strategy is not None:
-            # before anything is converted: the Gluon trainer keeps float32 masters or none
-            raise PolicyError(
-                f"master={policy.master_strategy} (policy {policy.label}) is not supported by "
-                "the Gluon backend yet; it runs on the 'torch' and 'numpy' backends. With "
-                "Gluon use 'O2-bf16' (float32 masters) or 'O3-bf16' (no masters)"
-            )
         check_policy_dtypes([policy.compute, policy.param], contexts, policy)
 
     device = device_key(contexts[0])

@@ -13,6 +13,7 @@ report, the net the trainer converted):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -26,8 +27,9 @@ from mixprec.diagnostics import (
     format_dtype_report,
     underflow_threshold,
 )
-from mixprec.dtypes import FLOAT32, is_low_precision
+from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import WrapError
+from mixprec.policy import Policy
 from mixprec.step import Stage
 
 from . import checkpoint
@@ -105,12 +107,22 @@ def module_dtypes(net_or_trainer: Any, *, every_module: bool = False) -> list[Mo
                 modules.append((path, (op,), param_dtype))
                 reasons[path] = reason
                 shown.append(True)
-    rows = dtype_rows(policy, modules, reasons)
+    rows = [_with_strategy(row, policy) for row in dtype_rows(policy, modules, reasons)]
     return [
         row
         for row, keep in zip(rows, shown, strict=True)
         if every_module or keep or row.param_dtype != "-"
     ]
+
+
+def _with_strategy(row: ModuleDtypes, policy: Policy) -> ModuleDtypes:
+    """``row`` saying, where its bfloat16 params are updated by a compensated strategy and
+    its reason is a backend one (a float32 island), which strategy: the island changes
+    where the op computes, not what the weights hold."""
+    strategy = policy.master_strategy
+    if strategy is None or row.param_dtype != BFLOAT16 or "master=" in row.rule:
+        return row
+    return dataclasses.replace(row, rule=f"{row.rule}; weights master={strategy}")
 
 
 def _graph_rows(site: BlockSite, device: str) -> list[tuple[str, str, str, tuple[str, str]]]:

@@ -52,6 +52,7 @@ __all__ = [
     "own_params",
     "params_with_prefix",
     "reduce_precision_symbol",
+    "reindex_update_counts",
     "replace_param_data",
     "set_cached_graph",
     "type_code",
@@ -103,7 +104,13 @@ EMBEDDING_STATE = ("_kwargs",)
 #: ``mx.optimizer.Optimizer`` internals a custom optimizer (``"adamw"``) uses, as MXNet's
 #: own optimizers do: the per-index update counter and the learning rate / weight decay
 #: with their ``lr_mult``/``wd_mult`` applied.
-OPTIMIZER_STATE = ("_update_count", "_index_update_count", "_get_lr", "_get_wd")
+OPTIMIZER_STATE = (
+    "_update_count",
+    "_index_update_count",
+    "_all_index_update_counts",
+    "_get_lr",
+    "_get_wd",
+)
 
 #: ``gluon.Trainer`` state the mixprec ``Trainer`` (a subclass) reads and drives, because its
 #: step replaces ``gluon.Trainer.update``: the parameters, optimizer and updaters it updates
@@ -274,6 +281,22 @@ def optimizer_step(optimizer: Any, index: int) -> tuple[float, float, int]:
     optimizer._update_count(index)
     t = optimizer._index_update_count[index]
     return float(optimizer._get_lr(index)), float(optimizer._get_wd(index)), int(t)
+
+
+def reindex_update_counts(optimizer: Any, new_index: dict[int, int]) -> None:
+    """Move an optimizer's per-parameter update counts (Adam's step ``t``) from the old
+    parameter indices to ``new_index[old]``, on every device.
+
+    Why private: MXNet keys the counts by parameter index in ``_all_index_update_counts``
+    (``_index_update_count`` is the current device's dict) and offers no way to renumber
+    them; ``load_states`` needs it when ``gluon.Trainer`` numbered the same parameters
+    differently (it sorts them by their global names, which depend on how many blocks the
+    process has made).
+    """
+    for counts in optimizer._all_index_update_counts.values():
+        moved = {new_index.get(k, k): v for k, v in counts.items()}
+        counts.clear()
+        counts.update(moved)
 
 
 def dense_embedding_grad(block: gluon.nn.Embedding) -> bool:

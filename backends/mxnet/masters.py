@@ -27,8 +27,9 @@ from mixprec.masters import MasterWeights
 
 from . import distributed
 from .casting import cast_param
+from .compensation import Compensation, compensated_pairs
 from .dtypes import cast, cast_into, dtype_name, mx_dtype
-from .gluon_private import init_from, is_deferred
+from .gluon_private import init_from, is_deferred, params_with_prefix
 
 if TYPE_CHECKING:
     from mixprec.policy import Policy
@@ -50,6 +51,9 @@ class MasterSetup:
 
     policy: Policy
     masters: MasterWeights[gluon.Parameter] | None
+    _compensation: Compensation | None
+    _seed: int
+    _net: gluon.Block | None
     _plan: list[tuple[gluon.Parameter, str]]
     _transient: bool
     _buffers: dict[int, list[nd.NDArray]]
@@ -61,39 +65,66 @@ class MasterSetup:
     def _prepare(self) -> None:
         """Make the masters, cast the parameters, create the kvstore and sync the weights."""
         planned = {id(p): dtype for p, dtype in self._plan}
-        # MXNet has no bfloat16 optimizer kernels: without masters in the policy (O3), the
-        # update runs on float32 copies that are reset to the rounded weights after each step
-        self._transient = self.policy.master is None and BFLOAT16 in planned.values()
+        strategy = self.policy.master_strategy
+        # MXNet has no bfloat16 optimizer kernels: without float32 masters in the policy (O3,
+        # or a compensated strategy), the update runs on float32 working copies that hold
+        # the rounded weights (plus the compensation under kahan) between steps
+        no_copy = self.policy.master is None or strategy is not None
+        self._transient = no_copy and BFLOAT16 in planned.values()
         self.masters = MasterWeights(
             self._params,
-            master_dtype=FLOAT32 if self._transient else self.policy.master,
+            master_dtype=FLOAT32 if self._transient else None if no_copy else self.policy.master,
             dtype_of=lambda p: planned.get(id(p), dtype_name(p.dtype)),
             make_master=self._make_master,
         )
         for param, dtype in self._plan:
             cast_param(param, dtype)
+        if strategy is not None:  # the masters still hold the exact float32 values here
+            # in the net's order, not gluon.Trainer's (sorted by global names, which differ
+            # between two copies of a net): the random stream must follow the parameters
+            order = {id(p): i for i, p in enumerate(self._structural_params())}
+            pairs = sorted(
+                compensated_pairs(self.masters.pairs), key=lambda pm: order.get(id(pm[0]), -1)
+            )
+            self._compensation = Compensation(pairs, strategy, self._seed)
         self.sync_transient_masters()
         lowp = [p.name for p, dtype in self._plan if is_low_precision(dtype)]
         check_scaler_without_masters(self.policy, [] if self.policy.master else lowp)
         distributed.init_kvstore_eagerly(self)  # type: ignore[arg-type]
 
+    def _structural_params(self) -> list[gluon.Parameter]:
+        """The net's parameters in its own order (``"0.weight"``, ``"0.bias"``...); the
+        Trainer's order when it was given parameters, not the net."""
+        if self._net is None:
+            return list(self._params)
+        return list(params_with_prefix(self._net).values())
+
     def _make_master(self, param: gluon.Parameter) -> gluon.Parameter:
-        dtype = self.policy.master or FLOAT32
+        dtype = FLOAT32 if self._transient else self.policy.master or FLOAT32
         master = gluon.Parameter(param.name, shape=param.shape, dtype=mx_dtype(dtype))
         init_from(master, cast(param.list_data()[0], dtype), param.list_ctx())
         return master
 
     def sync_transient_masters(self) -> None:
         """Reset float32 update copies to the low-precision weights (policies without
-        masters: the weights keep only their own precision between steps)."""
+        masters: the weights keep only their own precision between steps; under kahan the
+        copies hold weight + compensation)."""
         if self.masters is not None and self._transient:
+            comp = self._compensation
             for param, master in self.masters.copied_pairs():
                 for data, weight in zip(param.list_data(), master.list_data(), strict=True):
-                    cast_into(data, weight)
+                    if comp is None or not comp.handles(weight):
+                        cast_into(data, weight)
+            if comp is not None:
+                comp.fill()
 
     def _write_model(self, weight: nd.NDArray, data: nd.NDArray) -> None:
         """Cast a master's ``weight`` into the model's ``data`` (one context). Without masters
-        in the policy, the float32 update copy is then reset to the rounded weight."""
+        in the policy, the float32 update copy is then reset to the rounded weight (under
+        kahan, the rounding error goes into the compensation)."""
+        if self._compensation is not None and self._compensation.handles(weight):
+            self._compensation.split(weight, data)
+            return
         cast_into(weight, data)
         if self._transient:
             cast_into(data, weight)

@@ -6,7 +6,9 @@ gradients and summed over contexts and workers in the policy's ``reduce`` dtype)
 ``update`` (overflow check on every context, combined across workers; the loss-scale state
 machine; then the optimizer on the masters with ``1/scale`` and ``1/batch_size`` folded
 into ``rescale_grad``, and the masters cast back into the model, or a skip that leaves
-weights and optimizer state untouched).
+weights and optimizer state untouched). Under ``master=kahan|stochastic`` the update runs
+on float32 working values that :mod:`.compensation` fills before it and rounds back into
+the bfloat16 weights after it.
 
 Cost per step beyond ``gluon.Trainer``'s update, for O2 with float32 masters: one
 ``amp_cast`` per gradient (model -> master), one ``all_finite`` per gradient (measured on
@@ -190,10 +192,15 @@ class Stepping(MasterSetup):
                     consume_fresh_grad(data)
                     if weight is not data:
                         copies.append((weight, data))
+        compensation = self._compensation
+        if compensation is not None:  # master=kahan|stochastic: float32 working values
+            compensation.fill()  # w + c (kahan) or w
         for updater, upd in zip(self._updaters, updates, strict=True):
             if upd:
                 indices, grads, weights = zip(*upd, strict=True)
                 updater(list(indices), list(grads), list(weights))
+        if compensation is not None:  # round back into bfloat16, the residual or noise kept
+            copies = compensation.store(copies)
         for weight, data in copies:
             self._write_model(weight, data)
 

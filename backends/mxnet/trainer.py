@@ -40,6 +40,7 @@ from mixprec.step import StepTracker
 from . import checkpoint, optimizers  # noqa: F401 - optimizers registers "adamw"
 from .accumulation import check_grad_req, install_zero_grad
 from .casting import convert_net, param_dtypes
+from .compensation import Compensation
 from .devices import device_key, resolve_policy
 from .dtypes import dtype_name
 from .export import patch_export
@@ -69,6 +70,8 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         repeated skipped steps warn (``warn_after``, default 10 in a row). A step whose
         gradients are non-finite or whose squared norm overflows float32 is always skipped,
         and a skipped step puts the net's BatchNorm running statistics back.
+    :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``);
+        its random stream is saved by ``save_states``, so a resumed run draws the same numbers.
     :param overrides: policy role overrides, e.g. ``loss_scale="dynamic"``.
     """
 
@@ -83,9 +86,11 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         update_on_kvstore: bool | None = None,
         *,
         guard: StepGuard | Mapping[str, Any] | None = None,
+        seed: int = 0,
         **overrides: Any,
     ) -> None:
         step_guard = StepGuard.coerce(guard)
+        self._seed = _check_seed(seed)
         if update_on_kvstore:
             raise WrapError(
                 "update_on_kvstore=True updates the weights inside the kvstore, where an "
@@ -142,6 +147,8 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         self._reduced = False
         self._buffers: dict[int, list[nd.NDArray]] = {}
         self._transient = False
+        self._compensation: Compensation | None = None
+        """Under ``master=kahan|stochastic``: the strategy's buffers and its step passes."""
         self._running_stats: RunningStats | None = None
         if net is not None:
             # before convert_net: its input casts and deferred set-up then run first
@@ -189,7 +196,10 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         # MXNet's optimizer kernels reject bfloat16 weights, so without masters a bfloat16
         # net is updated through float32 copies and Adam's state is float32 either way
         param = self.policy.param
-        state = self.policy.master or (FLOAT32 if param == BFLOAT16 else param)
+        if self.policy.master_strategy is not None:  # updated as float32 working values
+            state = FLOAT32
+        else:
+            state = self.policy.master or (FLOAT32 if param == BFLOAT16 else param)
         message = check_adam_eps(type(self._optimizer).__name__, float(eps), state)
         if message:
             warnings.warn(message, MixprecWarning, stacklevel=3)
@@ -251,6 +261,15 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
     def load_parameters(self, fname: str, **kwargs: Any) -> None:
         """Load float32 values into the masters, then cast them into the model."""
         checkpoint.load_parameters(self, fname, **kwargs)
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise WrapError(
+            f"seed must be a non-negative int (it seeds master=stochastic's rounding), got "
+            f"{seed!r}; pass e.g. seed=0"
+        )
+    return seed
 
 
 def _check_parameters(values: Sequence[Any], given: str) -> None:
