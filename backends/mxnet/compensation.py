@@ -91,7 +91,8 @@ class Compensation:
                 if strategy == KAHAN:
                     comp = nd.zeros(data.shape, data.context, dtype=data.dtype)
                 self._arrays[id(weight)] = (index, comp)
-                self.split(weight, data)  # w = nearest(v), c = nearest(v - w)
+        for data, weight in self._contexts():
+            self.split(weight, data)  # w = nearest(v), c = nearest(v - w)
 
     def handles(self, weight: nd.NDArray) -> bool:
         """Whether ``weight`` is one of the working masters this strategy keeps."""

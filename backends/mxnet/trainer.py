@@ -187,7 +187,11 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         for param in deferred:
             if is_deferred(param):
                 finish_deferred_init(param)
-        self._prepare()
+        # the first forward pass may run inside autograd.record(), which refuses the writes
+        # that set up masters, casts and the kvstore broadcast (none of them is part of the
+        # graph): O3-bf16's float32 update copies used to fail there
+        with autograd.pause():
+            self._prepare()
 
     def _lint(self) -> None:
         eps = getattr(self._optimizer, "epsilon", None)

@@ -346,3 +346,21 @@ def test_states_follow_the_parameters_when_gluon_numbers_them_differently(
     _train(other, other_trainer, 3)
     for key, value in values(net).items():
         np.testing.assert_array_equal(values(other)[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize("policy", ["O3-bf16", *STRATEGIES])
+def test_deferred_shapes_set_up_inside_the_first_recorded_forward(policy: str) -> None:
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(8, activation="relu"), gluon.nn.Dense(2))  # no in_units
+    net.initialize()
+    net.hybridize()
+    trainer = Trainer(net, "adam", {"learning_rate": 1e-2}, policy=policy)
+    x, y = mx.nd.ones((4, 3)), mx.nd.ones((4, 2))
+    losses = []
+    for _ in range(3):
+        with autograd.record():  # the Trainer sets up its masters in here, on the first pass
+            loss = L2(net(x).astype("float32"), y)
+        loss.backward()
+        trainer.step(4)
+        losses.append(float(loss.mean().asscalar()))
+    assert losses[-1] < losses[0]
