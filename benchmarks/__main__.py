@@ -31,6 +31,7 @@ from typing import Any
 from benchmarks import (
     accuracy,
     compensated,
+    compensated_gluon,
     cuda,
     dispatch,
     memory,
@@ -54,6 +55,7 @@ CASES: tuple[Case, ...] = (
     accuracy.CASE,
     cuda.CASE,
     compensated.CASE,
+    compensated_gluon.CASE,
 )
 BY_NAME = {c.name: c for c in CASES}
 

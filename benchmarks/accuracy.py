@@ -160,12 +160,11 @@ def run_torch(opts: Options) -> JobResult:
 # ----------------------------------------------------------------------------- mxnet
 
 
-def train_mxnet(preset: str, seed: int, epochs: int) -> float:
+def mxnet_cnn(seed: int) -> Any:
+    """The digits CNN in Gluon (Xavier init from ``seed``), hybridized."""
     import mxnet as mx
-    import numpy as np
-    from mxnet import autograd, gluon
+    from mxnet import gluon
 
-    xtr, ytr, xte, yte = digits()
     mx.random.seed(seed)
     nn = gluon.nn
     net = nn.HybridSequential()
@@ -179,6 +178,16 @@ def train_mxnet(preset: str, seed: int, epochs: int) -> float:
     )
     net.initialize(mx.init.Xavier(), ctx=mx.cpu())
     net.hybridize(static_alloc=True)
+    return net
+
+
+def train_mxnet(preset: str, seed: int, epochs: int) -> float:
+    import mxnet as mx
+    import numpy as np
+    from mxnet import autograd, gluon
+
+    xtr, ytr, xte, yte = digits()
+    net = mxnet_cnn(seed)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     x_all = mx.nd.array(xtr.reshape(-1, 1, 8, 8))
     y_all = mx.nd.array(ytr.astype(np.float32))

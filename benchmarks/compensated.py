@@ -9,6 +9,7 @@ keep them. The figure is the final test MSE (lower is better), mean ± sd over s
 backend; the NumPy plugin runs its own reference arithmetic (SGD, as its optimizer). The
 digits CNN of case 7 (``benchmarks.accuracy``) runs under the same policies for a few epochs
 (test accuracy, higher is better): a task where plain bfloat16 weights are expected to hold.
+:mod:`benchmarks.compensated_gluon` (case ``compensated_gluon``) runs both tasks on Gluon.
 ``benchmarks/compensated_plot.py`` draws the teacher-student loss curves (docs/img/).
 
 Accuracy only: on a CPU without AVX512-BF16 (this machine) bfloat16 matmuls are far slower
