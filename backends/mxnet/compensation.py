@@ -67,9 +67,9 @@ class Compensation:
     """The kahan or stochastic state of one Trainer, and its passes around each update.
 
     :param pairs: (bfloat16 model parameter, its float32 working master) for every
-        compensated parameter, in the order the random stream is drawn in. The masters must hold the
-        exact float32 values from before the parameters were cast: under kahan the initial
-        compensation keeps what bfloat16 drops of them.
+        compensated parameter, in the order the random stream is drawn in. The masters must
+        hold the exact float32 values from before the parameters were cast: under kahan the
+        initial compensation keeps what bfloat16 drops of them.
     :param strategy: ``"kahan"`` or ``"stochastic"``.
     :param seed: seeds the stochastic rounding's random stream.
     """
