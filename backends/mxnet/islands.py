@@ -18,7 +18,7 @@ directly (not through ``F``) are not seen.
 **Chained islands.** On a CPU without AVX512-BF16 whole runs of ops are islands (a CNN's
 Conv -> BatchNorm -> ReLU -> MaxPool, all of them). Casting each island's float32 output to
 bfloat16 only for the next island to cast it straight back costs two ``amp_cast`` passes over
-the activation per op boundary, forward and backward (they were 90% of an O2-bf16 CNN step
+the activation per op boundary, forward and backward (they were 85% of an O2-bf16 CNN step
 on an AVX2 CPU), and rounds the activation for nothing. Inside :func:`chained_islands` (the
 Trainer's boundary opens it around each forward call of the net) an island reads the float32
 output of the island before it directly; the bfloat16 cast is still made, and used, wherever
@@ -54,6 +54,7 @@ __all__ = [
     "enter",
     "install_op_islands",
     "island_call",
+    "layout_call",
     "leave",
 ]
 

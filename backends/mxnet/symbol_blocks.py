@@ -6,7 +6,8 @@ islands of :mod:`mixprec_mxnet.islands` cannot see inside it. Here both act on i
 :func:`fp32_params_by_op` finds the parameters BatchNorm nodes read (they stay float32, as
 MXNet's kernel needs), and :func:`install_symbol_islands` rewrites the graph so that each op
 without a kernel for the block's dtype on this machine reads float32 inputs (BatchNorm: its
-data only) and its first output is cast back, as the islands of ordinary blocks do.
+data only) and its first output is cast back, as the islands of ordinary blocks do (an island
+reading another island's output reads its float32 value, as chained islands do).
 
 Imported graphs that already hold ``amp_cast``/``amp_multicast`` nodes (a net converted by
 ``mxnet.contrib.amp.convert_hybrid_block``, or mixprec's own bfloat16 export) are refused by
@@ -138,11 +139,14 @@ def _islanded(graph: dict[str, Any], ops: Collection[str], dtype: str) -> dict[s
     new: list[dict[str, Any]] = []
     moved: dict[tuple[int, int], list[int]] = {}
     where: dict[int, int] = {}
+    float32_of: dict[int, list[int]] = {}  # an island's cast back -> its float32 output
 
     def ref(entry: list[int]) -> list[int]:
         return moved.get((entry[0], entry[1]), [where[entry[0]], entry[1], 0])
 
     def cast(entry: list[int], name: str, to: str) -> list[int]:
+        if to == "float32" and entry[0] in float32_of:  # chained islands: no round trip
+            return float32_of[entry[0]]
         new.append({"op": "amp_cast", "name": name, "attrs": {"dtype": to}, "inputs": [entry]})
         return [len(new) - 1, 0, 0]
 
@@ -157,6 +161,7 @@ def _islanded(graph: dict[str, Any], ops: Collection[str], dtype: str) -> dict[s
         where[i] = len(new) - 1
         if island:
             moved[(i, 0)] = cast([where[i], 0, 0], f"{node['name']}_back", str(dtype))
+            float32_of[moved[(i, 0)][0]] = [where[i], 0, 0]
     return {
         "nodes": new,
         "arg_nodes": [i for i, n in enumerate(new) if n["op"] == "null"],

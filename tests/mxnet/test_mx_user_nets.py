@@ -3,6 +3,7 @@ plain Sequentials, nets without parameters, export for deployment, "adamw"."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,22 @@ def test_imported_symbolblock_with_batchnorm_trains_under_o2_bf16(tmp_path: Path
     out = cast(block(x), "float32").asnumpy()
     np.testing.assert_allclose(out, reference, atol=0.05 * np.abs(reference).max())
     _train(block, trainer, x, y, CE)
+
+
+def test_consecutive_islands_of_an_imported_graph_pass_float32(tmp_path: Path) -> None:
+    """Where Convolution and BatchNorm are both islands, the imported graph's BatchNorm reads
+    the convolution's float32 output: no cast to bfloat16 and back between them."""
+    if bf16_computes("Convolution") != "float32" or bf16_computes("BatchNorm") != "float32":
+        pytest.skip("this CPU has bfloat16 Convolution/BatchNorm kernels: no islands")
+    block, reference = _exported_cnn(tmp_path)
+    Trainer(block, "sgd", {"learning_rate": 0.01}, policy="O2-bf16")
+    x, _ = batch(image=True)
+    out = cast(block(x), "float32").asnumpy()
+    np.testing.assert_allclose(out, reference, atol=0.05 * np.abs(reference).max())
+    graph = json.loads(block._cached_graph[1].tojson(remove_amp_cast=False))
+    nodes = graph["nodes"]
+    feeding = [nodes[n["inputs"][0][0]]["op"] for n in nodes if n["op"] == "BatchNorm"]
+    assert feeding == ["Convolution", "Convolution"]
 
 
 def test_dtype_report_names_the_islands_and_float32_params_of_an_imported_graph(
