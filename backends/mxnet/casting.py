@@ -43,7 +43,7 @@ from mixprec.policy import Policy
 from .dtypes import cast, dtype_name, mx_dtype
 from .gluon_private import children, clear_cached_graph, is_active, own_params, replace_param_data
 from .graph import BlockInfo, blocks_of, install_graph_pass
-from .islands import install_op_islands
+from .islands import chained_islands, enter, install_op_islands, leave
 from .kernels import warn_islands
 from .ops import island_natives, unsupported_natives
 from .symbol_blocks import fp32_params_by_op, install_symbol_islands
@@ -244,15 +244,16 @@ def _wrap_island(block: gluon.Block, inside: str, outside: str, fused: Any = Non
                 # float32 gamma/beta/statistics: the island's two casts happen in the kernel
                 # (5x faster than amp_cast + BatchNorm on plain NCHW float32).
                 return hybrid_forward(F, x, **params)
-            x, args = cast_floating(x, inside), cast_floating(args, inside)
-            return cast_floating(hybrid_forward(F, x, *args, **params), outside)
+            # enter/leave: a run of float32 islands passes float32 between them
+            x, args = enter(x, inside), enter(args, inside)
+            return leave(hybrid_forward(F, x, *args, **params), outside, inside)
 
         block.hybrid_forward = island
     else:
         forward = block.forward
 
         def island_forward(*args: Any) -> Any:
-            return cast_floating(forward(*cast_floating(args, inside)), outside)
+            return leave(forward(*enter(args, inside)), outside, inside)
 
         block.forward = island_forward
 
@@ -267,6 +268,11 @@ def _install_boundary(
     graph_pass = policy.casts_ops and isinstance(net, gluon.HybridBlock)
 
     def boundary(*args: Any) -> Any:
+        # the hook's shape inference traces the graph too: chain the islands in both traces
+        with chained_islands():
+            return convert_call(*args)
+
+    def convert_call(*args: Any) -> Any:
         hook = state["before"]
         if hook is not None:
             hook(args)

@@ -6,9 +6,9 @@ the net's inputs outside the traced graph), so ``SymbolBlock.imports`` fails on 
 The Trainer patches ``net.export`` with :func:`export`:
 
 - ``dtype="float32"`` (default): the symbol without any ``amp_cast`` (MXNet's
-  ``remove_amp_cast``) and every parameter as its float32 master value: a plain float32 model
-  that any MXNet runtime loads, whose output matches the trained net's to bfloat16 rounding
-  of the activations.
+  ``remove_amp_cast``, plus the outputs' own casts) and every parameter as its float32
+  master value: a plain float32 model that any MXNet runtime loads (and a mixprec Trainer
+  takes again), whose output matches the trained net's to bfloat16 rounding.
 - ``dtype="bfloat16"``: the trained graph as it runs, casts included, with the input cast to
   the policy's ``param`` dtype and the outputs cast to float32 inside the graph, and the
   parameters in their model dtypes: float32 in, float32 out, the trained net's exact compute.
@@ -17,6 +17,7 @@ The Trainer patches ``net.export`` with :func:`export`:
 from __future__ import annotations
 
 import functools
+import json
 from typing import TYPE_CHECKING, Any
 
 import mxnet as mx
@@ -67,7 +68,9 @@ def export(
     lowp = dtype != FLOAT32 and is_low_precision(dtype)
     if lowp:
         sym = _cast_boundary(sym, [s.name for s in inputs], dtype)
-    else:  # remove_amp_cast keeps a cast that is an output: make it an inner one
+    elif remove_amp_cast:
+        sym = _without_casts(sym)
+    else:  # the casts kept: the outputs (the islands' cast back) still leave in float32
         sym = _cast_outputs(sym, FLOAT32)
     sym.save(f"{path}-symbol.json", remove_amp_cast=remove_amp_cast and not lowp)
     args, aux = set(sym.list_arguments()), set(sym.list_auxiliary_states())
@@ -86,6 +89,23 @@ def _cast_boundary(sym: Any, data_names: list[str], dtype: str) -> Any:
     target = mx_dtype(dtype)
     casts = {n: mx.sym.amp_cast(mx.sym.var(n), dtype=target, name=f"{n}_cast") for n in data_names}
     return _cast_outputs(compose(sym, **casts), FLOAT32)
+
+
+def _without_casts(sym: Any) -> Any:
+    """``sym`` with no ``amp_cast``/``amp_multicast`` left: MXNet's ``remove_amp_cast`` drops
+    the casts that feed other nodes, this drops the outputs' own casts as well (a float32
+    graph needs none, and mixprec refuses to train a graph holding casts)."""
+    graph = json.loads(sym.tojson(remove_amp_cast=True))
+    nodes = graph["nodes"]
+
+    def uncast(entry: list[int]) -> list[int]:
+        while nodes[entry[0]]["op"] in ("amp_cast", "amp_multicast"):
+            node = nodes[entry[0]]
+            entry = node["inputs"][entry[1] if node["op"] == "amp_multicast" else 0]
+        return entry
+
+    graph["heads"] = [uncast(head) for head in graph["heads"]]
+    return mx.sym.load_json(json.dumps(graph))
 
 
 def _cast_outputs(sym: Any, dtype: str) -> Any:

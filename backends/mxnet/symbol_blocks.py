@@ -6,11 +6,13 @@ islands of :mod:`mixprec_mxnet.islands` cannot see inside it. Here both act on i
 :func:`fp32_params_by_op` finds the parameters BatchNorm nodes read (they stay float32, as
 MXNet's kernel needs), and :func:`install_symbol_islands` rewrites the graph so that each op
 without a kernel for the block's dtype on this machine reads float32 inputs (BatchNorm: its
-data only) and its first output is cast back, as the islands of ordinary blocks do.
+data only) and its first output is cast back, as the islands of ordinary blocks do (an island
+reading another island's output reads its float32 value, as chained islands do).
 
 Imported graphs that already hold ``amp_cast``/``amp_multicast`` nodes (a net converted by
-``mxnet.contrib.amp.convert_hybrid_block``) are refused by :func:`check_not_amp_converted`:
-their casts assume MXNet AMP's own dtypes and would fight mixprec's.
+``mxnet.contrib.amp.convert_hybrid_block``, or mixprec's own bfloat16 export) are refused by
+:func:`check_not_amp_converted`: their casts assume the dtypes they were made for and would
+fight mixprec's. mixprec's default float32 export holds no cast and trains again.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "check_not_amp_converted",
     "fp32_params_by_op",
     "graph_ops",
+    "has_amp_casts",
     "install_symbol_islands",
 ]
 
@@ -64,15 +67,26 @@ def _symbol(block: gluon.Block) -> Symbol | None:
     return graph[1] if graph else None
 
 
+def has_amp_casts(sym: Symbol) -> bool:
+    """Whether ``sym`` holds ``amp_cast``/``amp_multicast`` nodes anywhere.
+
+    ``Symbol.tojson()`` cannot tell: by default it runs MXNet's ``RemoveAmpCast`` pass, which
+    drops every cast that feeds another node, so only a cast that is an output would show.
+    """
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    return any(n["op"] in _AMP_OPS for n in graph["nodes"])
+
+
 def check_not_amp_converted(block: gluon.Block) -> None:
-    """Refuse a ``SymbolBlock`` whose graph MXNet's AMP already converted."""
+    """Refuse a ``SymbolBlock`` whose graph already holds low-precision casts."""
     sym = _symbol(block)
-    if sym is not None and any(n["op"] in _AMP_OPS for n in _nodes(sym)):
+    if sym is not None and has_amp_casts(sym):
         raise WrapError(
             f"{type(block).__name__} {block.name!r} holds amp_cast/amp_multicast nodes: it was "
-            "converted by mxnet.contrib.amp (convert_hybrid_block/convert_model). Give the "
-            "Trainer the original float32 net and choose the precision with policy= "
-            "(O1-bf16 casts ops as MXNet AMP does)"
+            "converted by mxnet.contrib.amp (convert_hybrid_block/convert_model) or exported "
+            "with its casts (mixprec's net.export(path, dtype='bfloat16')). Give the Trainer "
+            "the original float32 net, or its float32 export (net.export(path), the default), "
+            "and choose the precision with policy= (O1-bf16 casts ops as MXNet AMP does)"
         )
 
 
@@ -125,11 +139,14 @@ def _islanded(graph: dict[str, Any], ops: Collection[str], dtype: str) -> dict[s
     new: list[dict[str, Any]] = []
     moved: dict[tuple[int, int], list[int]] = {}
     where: dict[int, int] = {}
+    float32_of: dict[int, list[int]] = {}  # an island's cast back -> its float32 output
 
     def ref(entry: list[int]) -> list[int]:
         return moved.get((entry[0], entry[1]), [where[entry[0]], entry[1], 0])
 
     def cast(entry: list[int], name: str, to: str) -> list[int]:
+        if to == "float32" and entry[0] in float32_of:  # chained islands: no round trip
+            return float32_of[entry[0]]
         new.append({"op": "amp_cast", "name": name, "attrs": {"dtype": to}, "inputs": [entry]})
         return [len(new) - 1, 0, 0]
 
@@ -144,6 +161,7 @@ def _islanded(graph: dict[str, Any], ops: Collection[str], dtype: str) -> dict[s
         where[i] = len(new) - 1
         if island:
             moved[(i, 0)] = cast([where[i], 0, 0], f"{node['name']}_back", str(dtype))
+            float32_of[moved[(i, 0)][0]] = [where[i], 0, 0]
     return {
         "nodes": new,
         "arg_nodes": [i for i, n in enumerate(new) if n["op"] == "null"],

@@ -39,11 +39,13 @@ def test_batchnorm_after_a_blocked_conv_reads_bf16_and_keeps_fp32_statistics() -
     x, _ = batch(image=True)
     net(x)
     # the first conv reads 1 channel (plain NCHW output): the island keeps its casts; the
-    # second reads 16 (oneDNN's blocked layout): BatchNorm takes bf16 data directly
-    # (where the CPU has no bfloat16 Convolution/BatchNorm kernel, the conv is an island whose
-    # output is cast back to bfloat16, and BatchNorm's island casts it to float32 again)
-    fused = "Convolution" if bf16_computes("BatchNorm") == "bfloat16" else "amp_cast"
-    assert _batchnorm_inputs(net) == ["amp_cast", fused]
+    # second reads 16 (oneDNN's blocked layout): BatchNorm takes bf16 data directly.
+    # Where the CPU has no bfloat16 Convolution kernel, the conv is a float32 island itself
+    # and BatchNorm's island reads its float32 output directly (chained islands: no casts)
+    conv_island = bf16_computes("Convolution") == "float32"
+    fused = conv_island or bf16_computes("BatchNorm") == "bfloat16"
+    first, second = ("Convolution" if f else "amp_cast" for f in (conv_island, fused))
+    assert _batchnorm_inputs(net) == [first, second]
     bn = net[4]
     assert {p.dtype for p in bn.collect_params().values()} == {np.float32}
 
@@ -149,3 +151,70 @@ def test_o2_custom_block_dot_runs_as_an_island() -> None:
             net.hybridize()
         out = net(nd.ones((2, 8)))
         assert dtype_of(out) == "bfloat16"
+
+
+# ---------------------------------------------------------------- chained islands
+
+CNN_ISLANDS = {"Convolution", "BatchNorm", "Activation", "Pooling", "FullyConnected"}
+
+
+@pytest.mark.skipif(
+    not CNN_ISLANDS <= missing_bf16_cpu_ops(),
+    reason="this CPU has bfloat16 kernels for the CNN's ops: they are not islands here",
+)
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_run_of_islands_computes_in_float32_from_end_to_end(hybrid: bool) -> None:
+    """Where every op of the CNN is a float32 island, the O2-bf16 net computes as the float32
+    net on its bfloat16 weights and input: no rounding to bfloat16 between the islands (and
+    no cast to pay for), only where the output leaves the net. Gradients likewise."""
+    x, _ = batch(image=True)
+    net, reference = cnn(seed=5), cnn(seed=5)
+    mpx.Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    for mine, theirs in zip(
+        reference.collect_params().values(), net.collect_params().values(), strict=True
+    ):
+        mine.set_data(mpx.cast(theirs.data(), "float32"))  # the bf16-rounded weights
+    if hybrid:
+        net.hybridize()
+        reference.hybridize()
+    rounded_x = mpx.cast(mpx.cast(x, "bfloat16"), "float32")
+    outputs = []
+    for model, data in ((net, x), (reference, rounded_x)):
+        with autograd.record():
+            out = model(data)
+        out.backward()
+        outputs.append(mpx.cast(mpx.cast(out, "bfloat16"), "float32").asnumpy())
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    grads = [mpx.cast(m[0].weight.grad(), "bfloat16") for m in (net, reference)]
+    np.testing.assert_array_equal(*(mpx.cast(g, "float32").asnumpy() for g in grads))
+    assert dtype_of(net[0].weight.grad()) == "bfloat16"
+
+
+def test_an_activation_read_outside_the_islands_stays_bfloat16() -> None:
+    """The chain only feeds islands: a bfloat16-capable op reading an island's output (here
+    the user's own ``+``) gets the bfloat16 value, the next island the float32 one."""
+
+    class Residual(gluon.HybridBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = gluon.nn.Dense(8, in_units=8)
+            self.outer = gluon.nn.Dense(8, in_units=8)
+
+        def hybrid_forward(self, F, x):  # type: ignore[no-untyped-def]
+            h = self.inner(x)
+            return self.outer(h) + h
+
+    net = Residual()
+    net.initialize(mx.init.Xavier())
+    mpx.Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O3-bf16")
+    net.hybridize()
+    assert dtype_of(net(nd.ones((2, 8)))) == "bfloat16"
+    graph = json.loads(net._cached_graph[1].tojson(remove_amp_cast=False))  # type: ignore[attr-defined]
+    nodes = graph["nodes"]
+    dtypes = node_dtypes(net._cached_graph[1], data="bfloat16")  # type: ignore[attr-defined]
+    add = next(n for n in nodes if n["op"] in ("elemwise_add", "_plus", "_Plus"))
+    assert dtypes[add["name"]] == "bfloat16"
+    assert {dtypes[nodes[i]["name"]] for i, *_ in add["inputs"]} == {"bfloat16"}
+    fc = [n for n in nodes if n["op"] == "FullyConnected"]
+    if bf16_computes("FullyConnected") == "float32":  # two islands in a row
+        assert nodes[fc[1]["inputs"][0][0]] is fc[0]  # outer reads inner's float32 output

@@ -3,6 +3,7 @@ plain Sequentials, nets without parameters, export for deployment, "adamw"."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,22 @@ def test_imported_symbolblock_with_batchnorm_trains_under_o2_bf16(tmp_path: Path
     _train(block, trainer, x, y, CE)
 
 
+def test_consecutive_islands_of_an_imported_graph_pass_float32(tmp_path: Path) -> None:
+    """Where Convolution and BatchNorm are both islands, the imported graph's BatchNorm reads
+    the convolution's float32 output: no cast to bfloat16 and back between them."""
+    if bf16_computes("Convolution") != "float32" or bf16_computes("BatchNorm") != "float32":
+        pytest.skip("this CPU has bfloat16 Convolution/BatchNorm kernels: no islands")
+    block, reference = _exported_cnn(tmp_path)
+    Trainer(block, "sgd", {"learning_rate": 0.01}, policy="O2-bf16")
+    x, _ = batch(image=True)
+    out = cast(block(x), "float32").asnumpy()
+    np.testing.assert_allclose(out, reference, atol=0.05 * np.abs(reference).max())
+    graph = json.loads(block._cached_graph[1].tojson(remove_amp_cast=False))
+    nodes = graph["nodes"]
+    feeding = [nodes[n["inputs"][0][0]]["op"] for n in nodes if n["op"] == "BatchNorm"]
+    assert feeding == ["Convolution", "Convolution"]
+
+
 def test_dtype_report_names_the_islands_and_float32_params_of_an_imported_graph(
     tmp_path: Path,
 ) -> None:
@@ -259,6 +276,61 @@ def test_a_net_converted_by_mxnet_amp_is_refused(tmp_path: Path) -> None:
         converted = amp.convert_hybrid_block(net, target_dtype="bfloat16", ctx=mx.cpu())
     with pytest.raises(WrapError, match="convert_hybrid_block"):
         Trainer(converted, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+
+
+def test_a_converted_net_whose_output_is_not_a_cast_is_refused() -> None:
+    """MXNet AMP leaves softmax in float32, so this graph's output is no cast, and
+    ``Symbol.tojson()`` (which drops the inner casts) shows none: still refused."""
+
+    class Classifier(gluon.HybridBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = gluon.nn.Dense(4, in_units=8)
+
+        def hybrid_forward(self, F, x):  # type: ignore[no-untyped-def]
+            return F.softmax(self.dense(x))
+
+    from mxnet.contrib import amp
+
+    net = Classifier()
+    net.initialize()
+    net.hybridize()
+    net(mx.nd.ones((2, 8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MXNet: "Cannot decide type ... data"
+        converted = amp.convert_hybrid_block(net, target_dtype="bfloat16", ctx=mx.cpu())
+    before = _state(converted)
+    with pytest.raises(WrapError, match="convert_hybrid_block"):
+        Trainer(converted, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    after = _state(converted)
+    assert before.keys() == after.keys()
+    assert all(before[n][0] == after[n][0] for n in before)
+
+
+def _import(prefix: str) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MXNet: "Cannot decide type ... data"
+        return gluon.SymbolBlock.imports(f"{prefix}-symbol.json", ["data"], f"{prefix}-0000.params")
+
+
+def test_the_float32_export_trains_again_and_the_bfloat16_one_is_refused(tmp_path: Path) -> None:
+    """Fine-tuning a deployed model: the default export holds no cast, so a new Trainer takes
+    it; the bfloat16 export has the trained net's casts in its graph and is refused."""
+    net = cnn()
+    net.hybridize()
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    x, y = batch(image=True)
+    _train(net, trainer, x, y, CE)
+    for dtype in ("float32", "bfloat16"):
+        net.export(str(tmp_path / dtype), dtype=dtype)
+    symbol = (tmp_path / "float32-symbol.json").read_text()
+    assert '"amp_cast"' not in symbol and '"amp_multicast"' not in symbol
+    deployed = _import(str(tmp_path / "float32"))
+    again = Trainer(deployed, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    _train(deployed, again, x, y, CE)
+    assert not again.last_step_skipped
+    with pytest.raises(WrapError, match="dtype='bfloat16'"):
+        Trainer(_import(str(tmp_path / "bfloat16")), "sgd", policy="O2-bf16")
 
 
 def test_o1_warns_when_the_graph_is_switched_off() -> None:
