@@ -37,6 +37,7 @@ from benchmarks import (
     mxnet_step,
     report,
     startup,
+    state_memory,
     step_overhead,
     torch_step,
 )
@@ -54,6 +55,7 @@ CASES: tuple[Case, ...] = (
     accuracy.CASE,
     cuda.CASE,
     compensated.CASE,
+    state_memory.CASE,
 )
 BY_NAME = {c.name: c for c in CASES}
 
