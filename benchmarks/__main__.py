@@ -38,6 +38,7 @@ from benchmarks import (
     mxnet_step,
     report,
     startup,
+    state_memory,
     step_overhead,
     torch_step,
 )
@@ -56,6 +57,7 @@ CASES: tuple[Case, ...] = (
     cuda.CASE,
     compensated.CASE,
     compensated_gluon.CASE,
+    state_memory.CASE,
 )
 BY_NAME = {c.name: c for c in CASES}
 

@@ -69,6 +69,13 @@ TARGETS: tuple[Target, ...] = (
     Target("memory-o2", "peak memory under O2-bf16 ≤ 0.7 × fp32, activation-heavy model",
            "memory", "activations", "ratio", ("mixprec O2-bf16",), 0.7, "fp32",
            "peak tensor memory"),
+    *(
+        Target(f"state-memory-{p}",
+               f"weights + optimizer state of {p} ≤ 0.75 × O2-bf16's, AdamW, MLP",
+               "state_memory", "AdamW", "ratio", (p,), 0.75, "O2-bf16",
+               "weights + optimizer state")
+        for p in ("O3-bf16-kahan", "O3-bf16-sr")
+    ),
     Target("import", "`import mixprec` < 100 ms",
            "startup", "import", "value", ("import mixprec",), 100.0),
     Target("wrap", "`wrap` of 1,000 modules < 1 s (slowest preset)",

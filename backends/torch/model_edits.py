@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import torch
 
-from .optimizer_state import OptimizerState, WrapGroup
-from .torch_private import foreach_copy_, tensor_version, tensor_versions
+from .optimizer_state import OptimizerState, SpareGrad, WrapGroup
+from .torch_private import foreach_copy_, sole_owner, tensor_version, tensor_versions
 
 __all__ = [
     "cast_grads_into",
     "expose_unscaled_grads",
+    "held_grads",
+    "keep_dropped_grads",
     "mark_copied",
     "record_param_versions",
     "refresh_edited_masters",
@@ -120,12 +122,18 @@ def take_grad_edits(
             continue  # untouched since unscale_
         edited.append(grad)
         into.append(master)
-    cast_grads_into(edited, into)
+    cast_grads_into(edited, into, st.spare_grads)
 
 
-def cast_grads_into(grads: list[torch.Tensor | None], masters: list[torch.Tensor]) -> None:
+def cast_grads_into(
+    grads: list[torch.Tensor | None],
+    masters: list[torch.Tensor],
+    spare: dict[int, SpareGrad] | None = None,
+) -> None:
     """Cast each gradient into its master's ``.grad``: None clears it, a sparse one is
-    converted, the dense ones go through one fused copy into buffers allocated once."""
+    converted, the dense ones go through one fused copy into buffers allocated once. A
+    master whose gradient ``zero_grad(set_to_none=True)`` dropped gets it back in the memory
+    it had (``spare``, see :func:`keep_dropped_grads`) when nothing else holds that memory."""
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     for grad, master in zip(grads, masters, strict=True):
@@ -133,9 +141,64 @@ def cast_grads_into(grads: list[torch.Tensor | None], masters: list[torch.Tensor
             master.grad = None if grad is None else grad.to(master.dtype)
             continue
         if master.grad is None or master.grad.shape != master.shape:
-            master.grad = torch.empty_like(master)
+            kept = _spare_grad(spare, master) if spare else None
+            master.grad = torch.empty_like(master) if kept is None else kept
         dst.append(master.grad)
         src.append(grad)
     if dst:
         with torch.no_grad():
             foreach_copy_(dst, src)
+
+
+def held_grads(masters: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(master, its gradient) for every dense float32 master gradient the cast could reuse:
+    taken before ``zero_grad`` drops them."""
+    held = []
+    for master in masters:
+        grad = master.grad
+        if (
+            grad is not None
+            and not grad.is_sparse
+            and not grad.requires_grad
+            and grad.dtype == master.dtype
+            and grad.shape == master.shape
+            and grad.device == master.device
+        ):
+            held.append((master, grad))
+    return held
+
+
+def keep_dropped_grads(
+    spare: dict[int, SpareGrad], held: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """After ``zero_grad``: keep the memory of each held gradient that is gone from its master
+    now (``set_to_none=True``), for the next cast into that master. The master's ``.grad``
+    stays None, as PyTorch users expect; only the storage is kept, so a gradient tensor the
+    user still holds is never written (:func:`_spare_grad` checks)."""
+    for master, grad in held:
+        if master.grad is None:
+            spare[id(master)] = (
+                grad.untyped_storage(),
+                grad.dtype,
+                int(grad.storage_offset()),
+                tuple(grad.shape),
+                grad.stride(),
+            )
+
+
+def _spare_grad(spare: dict[int, SpareGrad], master: torch.Tensor) -> torch.Tensor | None:
+    """A gradient for ``master`` over its kept memory; None when none is kept, or when the
+    memory is still referenced elsewhere (a tensor or view the user kept, an autograd graph):
+    writing it would change what they hold."""
+    kept = spare.pop(id(master), None)
+    if kept is None:
+        return None
+    storage, dtype, offset, shape, stride = kept
+    if (
+        dtype != master.dtype
+        or shape != tuple(master.shape)
+        or storage.device != master.device
+        or not sole_owner(storage)
+    ):
+        return None
+    return torch.empty(0, dtype=dtype, device=master.device).set_(storage, offset, shape, stride)

@@ -33,6 +33,7 @@ from mixprec.errors import WrapError
 
 from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from .copies import refuse_optimizer_copy
+from .model_edits import held_grads, keep_dropped_grads
 from .optimizer_state import OptimizerState, Round, WrapGroup, base_class, optimizer_state
 from .stepping import copies, step
 from .torch_private import foreach_zero_, is_scheduler_step_wrapper, scheduler_step_wrapper
@@ -52,15 +53,28 @@ _SUBCLASSES: dict[type, type] = {}
 
 
 def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-    """Zero the masters' gradients (the optimizer's params) and the model's gradients."""
+    """Zero the masters' gradients (the optimizer's params) and the model's gradients.
+
+    With ``set_to_none=True`` every ``.grad`` becomes None, as in PyTorch, but under
+    ``master=float32`` the masters' float32 gradient memory is kept for the next step's cast
+    (:func:`~mixprec_torch.model_edits.keep_dropped_grads`): allocating 4 bytes per
+    parameter again every step costs page faults on the CPU. Compensated strategies keep
+    nothing between steps, so nothing is kept for them.
+    """
+    st = getattr(self, "_mixprec", None)
+    held = []
+    if st is not None and st.group.compensation is None:
+        held = held_grads(copies(st, self)[1])
     base = base_class(self)
     if _takes_set_to_none(base):
         base.zero_grad(self, set_to_none)
     else:  # a wrapper such as apex's LARC: zero_grad(self) clears its inner optimizer's
         base.zero_grad(self)
-    st = getattr(self, "_mixprec", None)
     if st is None:
         return
+    if held:
+        keep_dropped_grads(st.spare_grads, held)
+        del held  # the spare memory is reusable only once these tensors are gone
     model_grads = []
     for param in copies(st, self)[0]:
         if param.grad is None:

@@ -29,6 +29,7 @@ __all__ = [
     "OptimizerState",
     "Round",
     "RoundGuard",
+    "SpareGrad",
     "StepCompensation",
     "WrapGroup",
     "base_class",
@@ -47,6 +48,10 @@ class StepCompensation(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def check_state_dict(self, sd: Any) -> None: ...
     def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+
+SpareGrad = tuple[torch.UntypedStorage, torch.dtype, int, tuple[int, ...], tuple[int, ...]]
+"""A gradient's memory without the tensor: (storage, dtype, storage offset, shape, strides)."""
 
 
 class RoundGuard(Protocol):
@@ -149,6 +154,10 @@ class OptimizerState:
         clip of the model's gradients before the step (:mod:`.model_edits`)."""
         self.overflows: deque[OverflowRecord] = deque(maxlen=100)
         """The parameters that overflowed, per skipped step (filled only on a skip)."""
+        self.spare_grads: dict[int, SpareGrad] = {}
+        """id(master) -> the float32 gradient memory ``zero_grad(set_to_none=True)`` took
+        off that master, reused by the next cast into it (:mod:`.model_edits`) instead of
+        allocating (and, on the CPU, page-faulting) the buffer again every step."""
 
 
 def base_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:

@@ -112,7 +112,7 @@ def copies(st: OptimizerState, optimizer: torch.optim.Optimizer) -> tuple[list[A
 def copy_grads_to_masters(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
     """Cast the model gradients into the masters' float32 gradients (None stays None)."""
     params, masters = copies(st, optimizer)
-    cast_grads_into([param.grad for param in params], masters)
+    cast_grads_into([param.grad for param in params], masters, st.spare_grads)
 
 
 def unscale(

@@ -29,6 +29,7 @@ __all__ = [
     "non_finite_check_and_unscale_",
     "problems",
     "scheduler_step_wrapper",
+    "sole_owner",
     "sparse_values",
     "tensor_version",
     "tensor_versions",
@@ -99,6 +100,19 @@ def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
     and comparing copies would cost the weights' memory and a pass over them.
     """
     return [t._version for t in tensors]
+
+
+def sole_owner(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` is referenced by nothing but this one storage object: no tensor,
+    view or other storage object (in Python or in C++, an autograd graph included) holds it.
+
+    Why private: reusing a freed gradient's memory is safe only when nobody can read it any
+    more (a user who kept ``g = master.grad`` before ``zero_grad()`` must find ``g``
+    unchanged). Python's reference count cannot tell (views and C++ holders do not show in
+    it); the storage's own use count, ``torch._C._storage_Use_Count``, is the only measure
+    and has no public name.
+    """
+    return int(torch._C._storage_Use_Count(storage._cdata)) == 1
 
 
 def sparse_values(tensor: torch.Tensor) -> torch.Tensor:
@@ -212,6 +226,17 @@ def problems() -> list[str]:
     need(
         compiled_inner(compiled) is not None,  # type: ignore[arg-type]
         "torch.compile no longer returns an OptimizedModule holding the model as _orig_mod",
+    )
+    grad = torch.ones(2)
+    storage = grad.untyped_storage()
+    held = sole_owner(storage)
+    view = grad.view(1, 2)
+    del grad
+    viewed = sole_owner(storage)
+    del view
+    need(
+        not held and not viewed and sole_owner(storage),
+        "torch._C._storage_Use_Count no longer counts the tensors holding a storage",
     )
     need(not in_backward(), "torch._C._current_graph_task_id is not -1 outside backward")
     seen: list[bool] = []
