@@ -42,27 +42,23 @@ from mixprec.policy import Policy
 
 from .dtypes import FLOATING, cast_floating, dtype_name, torch_dtype
 from .ops import NORM_ARGS, NORM_PARAMS_KW, NORM_STATS_KW, TORCH_OPS, callables_for
+from .copies import CopyOnly
+from .decisions import DecisionContext, Decisions, InputKey, input_key
 from .probes import autocast_dtypes, probe
 
 __all__ = [
     "DecisionContext",
     "OpCasting",
     "PolicyMode",
+    "TracedForward",
     "active_casting",
+    "autocast_each",
     "autocast_off",
     "context_stack",
     "disable_autocast",
     "intercepted_ops",
     "region",
 ]
-
-
-@dataclass(frozen=True)
-class DecisionContext:
-    """The module ``Policy.decide`` is asked about: qualified name and class names (MRO)."""
-
-    path: str | None
-    classes: tuple[str, ...] | None
 
 
 class _Local(threading.local):
@@ -149,21 +145,6 @@ def autocast_dtype(policy: Policy) -> torch.dtype | None:
 # ------------------------------------------------------------------------------------------
 
 
-def _floating_dtypes(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
-    names: list[str] = []
-    for value in (*args, *(v for k, v in kwargs.items() if k != "out")):
-        if isinstance(value, torch.Tensor):
-            if value.dtype in FLOATING:
-                names.append(dtype_name(value.dtype))
-        elif isinstance(value, (list, tuple)):
-            names.extend(
-                dtype_name(v.dtype)
-                for v in value
-                if isinstance(v, torch.Tensor) and v.dtype in FLOATING
-            )
-    return tuple(names)
-
-
 _NormPositions = tuple[tuple[int, int], tuple[int, int]]
 """Positions of a norm's running statistics and of its weight and bias (see ``NORM_ARGS``)."""
 _Entry = tuple[str, _NormPositions | None]
@@ -237,12 +218,15 @@ class PolicyMode(TorchFunctionMode):
         if entry is None:
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        dtype = self.casting.dtype_for(entry[0], _floating_dtypes(args, kwargs))
+        dtype = self.casting.dtype_for(entry[0], input_key(args, kwargs))
         norm = entry[1]
         if norm is not None:
             new_args, new_kwargs, writeback = _norm_call(args, kwargs, dtype, norm)
-            with autocast_off(self.casting.device_types):
-                out = func(*new_args, **new_kwargs)
+            if torch.compiler.is_compiling():
+                out = autocast_each(self.casting.device_types, None, func, *new_args, **new_kwargs)
+            else:
+                with autocast_off(self.casting.device_types):
+                    out = func(*new_args, **new_kwargs)
             if writeback:
                 with torch.no_grad():
                     for original, cast in writeback:
@@ -250,6 +234,8 @@ class PolicyMode(TorchFunctionMode):
             return out
         new_args = [cast_floating(a, dtype) for a in args]
         new_kwargs = {k: v if k == "out" else cast_floating(v, dtype) for k, v in kwargs.items()}
+        if torch.compiler.is_compiling():
+            return autocast_each(self.casting.device_types, None, func, *new_args, **new_kwargs)
         with autocast_off(self.casting.device_types):
             return func(*new_args, **new_kwargs)
 
@@ -300,7 +286,8 @@ class OpCasting:
     ops: frozenset[str] = field(init=False)
     table: dict[Callable[..., Any], _Entry] = field(init=False)
     """Intercepted callable -> (its op name, its norm argument positions or None)."""
-    _dtypes: dict[tuple[Any, ...], torch.dtype] = field(init=False, default_factory=dict)
+    decisions: Decisions = field(init=False)
+    """``Policy.decide``'s answers for the intercepted ops, prepared at wrap time."""
 
     def __post_init__(self) -> None:
         self.autocast = autocast_dtype(self.policy)
@@ -311,25 +298,19 @@ class OpCasting:
             for fn in callables_for(op):
                 table[fn] = (op, NORM_ARGS.get(fn))
         self.table = table
+        self.decisions = Decisions(self.policy, self.ops)
+        self.decisions.prepare(None)
 
     @property
     def active(self) -> bool:
         """Whether a region does anything at all (autocast or the mode)."""
         return self.autocast is not None or bool(self.table)
 
-    def dtype_for(self, op: str, inputs: tuple[str, ...]) -> torch.dtype:
-        """The dtype ``op`` runs in for these inputs in the current module context."""
+    def dtype_for(self, op: str, key: InputKey) -> torch.dtype:
+        """The dtype ``op`` runs in for inputs ``key`` (:func:`input_key`) in the current
+        module context: a lookup in the answers prepared at wrap time."""
         contexts = _local.contexts
-        context = contexts[-1] if contexts else None
-        key = (op, inputs, context)
-        dtype = self._dtypes.get(key)
-        if dtype is None:
-            if context is None:
-                decision = self.policy.decide(op, inputs)
-            else:
-                decision = self.policy.decide(op, inputs, context.path, context.classes)
-            dtype = self._dtypes[key] = torch_dtype(decision.dtype)
-        return dtype
+        return self.decisions.dtype(op, contexts[-1] if contexts else None, key)
 
     # --------------------------------------------------------------------- regions
 
@@ -369,3 +350,66 @@ def region(casting: OpCasting) -> Iterator[None]:
         yield
     finally:
         casting.exit()
+
+
+def autocast_each(
+    device_types: Sequence[str],
+    dtype: torch.dtype | None,
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``fn(*args, **kwargs)`` inside ``with torch.autocast(d, dtype=dtype)`` for each device
+    type ``d`` (``dtype`` None: autocast off), the form dynamo traces."""
+    if not device_types:
+        return fn(*args, **kwargs)
+    with torch.autocast(device_types[0], dtype=dtype, enabled=dtype is not None):
+        return autocast_each(device_types[1:], dtype, fn, *args, **kwargs)
+
+
+class TracedForward(CopyOnly):
+    """A module's ``forward`` as an instance attribute: eager calls go straight through;
+    while ``torch.compile`` traces, it runs the forward inside ``with`` blocks.
+
+    The eager region is entered by a forward pre-hook and left by the post-hook. Dynamo
+    cannot carry that across hooks: it traces a user-defined model's hooks as frames apart
+    from its forward (their autocast state would not reach the compiled forward), and an
+    autocast flag flipped in one inlined hook and restored in another breaks its
+    bookkeeping. So while compiling, the hooks leave the region to this wrapper:
+
+    :param casting: the model's op casting.
+    :param forward: the module's own ``forward`` (bound).
+    :param region: open the op-casting region (the root of the wrapped model).
+    :param island: turn autocast off inside (a module pinned to a dtype).
+    """
+
+    def __init__(
+        self, casting: OpCasting, forward: Callable[..., Any], *, region: bool, island: bool
+    ) -> None:
+        self.casting = casting
+        self.forward = forward
+        self.region = region
+        self.island = island
+        self.__wrapped__ = forward  # inspect.signature(model.forward) sees the real one
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return self.forward(*args, **kwargs)
+        casting = self.casting
+        if not self.region:
+            return self._inner(*args, **kwargs)
+        if not casting.table:
+            return autocast_each(
+                casting.device_types, casting.autocast, self._inner, *args, **kwargs
+            )
+        with PolicyMode(casting):
+            if casting.autocast is None:
+                return self._inner(*args, **kwargs)
+            return autocast_each(
+                casting.device_types, casting.autocast, self._inner, *args, **kwargs
+            )
+
+    def _inner(self, *args: Any, **kwargs: Any) -> Any:
+        if self.island:
+            return autocast_each(self.casting.device_types, None, self.forward, *args, **kwargs)
+        return self.forward(*args, **kwargs)
