@@ -38,6 +38,7 @@ from benchmarks import (
     report,
     startup,
     step_overhead,
+    torch_compile,
     torch_step,
 )
 from benchmarks.printing import print_case
@@ -54,6 +55,7 @@ CASES: tuple[Case, ...] = (
     accuracy.CASE,
     cuda.CASE,
     compensated.CASE,
+    torch_compile.CASE,
 )
 BY_NAME = {c.name: c for c in CASES}
 

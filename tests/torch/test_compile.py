@@ -28,10 +28,14 @@ import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 
 # dynamo probes `hasattr(tensor, "grad")` on a hook's non-leaf output and hides the warning
-# that raises with its own filter, which pytest's "error" filter overrides
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
-)
+# that raises with its own filter, which pytest's "error" filter overrides; importing inductor
+# imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+    ),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
 
 # ------------------------------------------------------------------------------- the models
 
