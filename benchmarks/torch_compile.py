@@ -97,14 +97,14 @@ def run_model(opts: Options, kind: str) -> JobResult:
     log(f"  compile / {kind}: {len(CONTENDERS)} contenders")
     contenders = {name: factory(name, kind) for name in CONTENDERS}
     return JobResult(
-        compare(
-            "compile", kind, contenders, warmup=opts.warm(3, 2), repeat=opts.reps(20, 5)
-        )
+        compare("compile", kind, contenders, warmup=opts.warm(3, 2), repeat=opts.reps(20, 5))
     )
 
 
 def jobs(opts: Options) -> list[Job]:
-    return [Job(f"compile {k}", "benchmarks.torch_compile:run_model", {"kind": k}, k) for k in MODELS]
+    return [
+        Job(f"compile {k}", "benchmarks.torch_compile:run_model", {"kind": k}, k) for k in MODELS
+    ]
 
 
 CASE = Case(

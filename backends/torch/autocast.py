@@ -40,10 +40,10 @@ from mixprec.dtypes import is_low_precision
 from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 
-from .dtypes import FLOATING, cast_floating, dtype_name, torch_dtype
-from .ops import NORM_ARGS, NORM_PARAMS_KW, NORM_STATS_KW, TORCH_OPS, callables_for
 from .copies import CopyOnly
 from .decisions import DecisionContext, Decisions, InputKey, input_key
+from .dtypes import FLOATING, cast_floating, torch_dtype
+from .ops import NORM_ARGS, NORM_PARAMS_KW, NORM_STATS_KW, TORCH_OPS, callables_for
 from .probes import autocast_dtypes, probe
 
 __all__ = [

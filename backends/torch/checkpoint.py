@@ -127,7 +127,11 @@ class ModelCheckpoint(CopyOnly):
             if not isinstance(value, torch.Tensor):
                 continue
             current = _buffer(mod, bname)
-            if current is cast and tensor_version(current) == version and _unchanged(cast, original):
+            if (
+                current is cast
+                and tensor_version(current) == version
+                and _unchanged(cast, original)
+            ):
                 state_dict[key] = original
             elif value.is_floating_point() and value.dtype != torch.float32:
                 state_dict[key] = value.float()
