@@ -6,7 +6,8 @@
 ``torch.compile`` cannot trace without graph breaks. So the answers are prepared once:
 :class:`Decisions` holds them keyed by (op, decision context, input key), filled at wrap time
 for every intercepted op, every decision context of the model's modules, and every
-combination of the float16, bfloat16, float32 and float64 inputs an op can receive.
+combination of the float16, bfloat16, float32 and float64 inputs an op can receive
+(contexts that match the same module rules share one table).
 
 The *input key* of a call is (the first floating input's dtype, the set of all its floating
 dtypes as bits): all ``decide`` reads of the inputs (a passthrough op keeps the first, a
@@ -96,6 +97,11 @@ Answer = torch.dtype | PolicyError
 class Decisions:
     """``Policy.decide``'s answers for some ops, prepared per decision context.
 
+    A context's answers depend only on which module rules match it, so contexts matching the
+    same rules (every BatchNorm of a network under a ``"*BatchNorm*"`` rule) share one table:
+    preparing a model costs one set of ``decide`` calls per distinct set of matching rules,
+    and one rule match per module.
+
     :param policy: the resolved policy.
     :param ops: the ops (families and ``"torch:"`` names) to prepare.
     """
@@ -103,40 +109,53 @@ class Decisions:
     def __init__(self, policy: Policy, ops: Iterable[str]) -> None:
         self.policy = policy
         self.ops = tuple(sorted(ops))
-        self.table: dict[tuple[str, DecisionContext | None, InputKey], Answer] = {}
-        """(op, decision context, input key) -> its dtype, or the error ``decide`` raised
-        (banned ops, ambiguous rules: raised again at each call)."""
+        self.tables: dict[DecisionContext | None, dict[tuple[str, InputKey], Answer]] = {}
+        """context -> (op, input key) -> its dtype, or the error ``decide`` raised (banned
+        ops, ambiguous rules: raised again at each call)."""
+        self._shared: dict[tuple[int, ...], dict[tuple[str, InputKey], Answer]] = {}
 
-    def prepare(self, context: DecisionContext | None) -> None:
-        """Decide every op for every prepared input key in ``context`` (once per context)."""
-        for op in self.ops:
-            for key in PREPARED_KEYS:
-                if (op, context, key) not in self.table:
-                    self.decide(op, context, key)
+    def prepare(self, context: DecisionContext | None) -> dict[tuple[str, InputKey], Answer]:
+        """The answer table of ``context``: every op for every prepared input key."""
+        table = self.tables.get(context)
+        if table is not None:
+            return table
+        rules = self.policy.modules
+        matching = (
+            ()
+            if context is None
+            else tuple(i for i, r in enumerate(rules) if r.matches(context.path, context.classes))
+        )
+        table = self._shared.get(matching)
+        if table is None:
+            table = self._shared[matching] = {}
+            for op in self.ops:
+                for key in PREPARED_KEYS:
+                    table[(op, key)] = self._decide(op, context, key)
+        self.tables[context] = table
+        return table
 
-    def decide(self, op: str, context: DecisionContext | None, key: InputKey) -> Answer:
-        """Ask ``Policy.decide`` and remember the answer (decide is pure)."""
+    def _decide(self, op: str, context: DecisionContext | None, key: InputKey) -> Answer:
         inputs = key_names(key)
-        answer: Answer
         try:
             if context is None:
                 decision = self.policy.decide(op, inputs)
             else:
                 decision = self.policy.decide(op, inputs, context.path, context.classes)
-            answer = torch_dtype(decision.dtype)
         except PolicyError as err:
-            answer = err
-        self.table[(op, context, key)] = answer
-        return answer
+            return err
+        return torch_dtype(decision.dtype)
 
     def dtype(self, op: str, context: DecisionContext | None, key: InputKey) -> torch.dtype:
-        """The dtype ``op`` runs in: a lookup (``decide`` only for an unprepared key).
+        """The dtype ``op`` runs in: lookups (``decide`` only for an unprepared key).
 
         :raises PolicyError: what ``Policy.decide`` raised for this call.
         """
-        answer = self.table.get((op, context, key))
+        table = self.tables.get(context)
+        if table is None:
+            table = self.prepare(context)
+        answer = table.get((op, key))
         if answer is None:
-            answer = self.decide(op, context, key)
+            answer = table[(op, key)] = self._decide(op, context, key)
         if isinstance(answer, PolicyError):
             raise PolicyError(*answer.args)
         return answer

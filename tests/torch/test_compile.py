@@ -280,3 +280,18 @@ def test_the_traced_forward_keeps_the_signature_and_copies() -> None:
     x = torch.randn(2, 3, 16)
     assert torch.equal(twin(x), model(x))
     assert twin.forward.forward.__self__ is twin
+
+
+def test_wrap_prepares_every_decision_the_forward_needs() -> None:
+    """Every module with a rule of its own (each BatchNorm here) has its answers from wrap,
+    shared between modules matching the same rules; a forward adds none (a compiled forward
+    reads a table that never changes, so it never recompiles for it)."""
+    model = mpt.wrap(make_cnn(), policy="O1-bf16")
+    decisions = model._mixprec.casting.casting.decisions
+    tables = dict(decisions.tables)
+    assert len(tables) == 4  # no context, and the three BatchNorms
+    assert len({id(t) for t in tables.values()}) == 2  # the BatchNorms share one
+    sizes = {id(t): len(t) for t in tables.values()}
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert decisions.tables == tables
+    assert {id(t): len(t) for t in decisions.tables.values()} == sizes
