@@ -23,9 +23,9 @@ module rule apply there only.
 
 Decisions are looked up, not made, while a forward runs:
 :class:`~mixprec_torch.decisions.Decisions` holds ``Policy.decide``'s answers for every
-intercepted op, decision context and input dtypes, prepared at wrap time. That, and :class:`TracedForward` (the region as ``with``
-blocks while ``torch.compile`` traces, where hooks cannot hold it), lets a wrapped model
-compile without graph breaks.
+intercepted op, decision context and input dtypes, prepared at wrap time. That, and
+:class:`TracedForward` (the region as ``with`` blocks while ``torch.compile`` traces, where
+hooks cannot hold it), lets a wrapped model compile without graph breaks.
 
 Only what runs inside a wrapped model's forward is cast. Outputs leave the model in
 ``policy.output`` (float32 for O1/O2), so a loss computed outside runs in float32.
