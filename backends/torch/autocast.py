@@ -24,8 +24,9 @@ module rule apply there only.
 Decisions are looked up, not made, while a forward runs:
 :class:`~mixprec_torch.decisions.Decisions` holds ``Policy.decide``'s answers for every
 intercepted op, decision context and input dtypes, prepared at wrap time. That, and
-:class:`TracedForward` (the region as ``with`` blocks while ``torch.compile`` traces, where
-hooks cannot hold it), lets a wrapped model compile without graph breaks.
+:class:`~mixprec_torch.tracing.TracedForward` (the region as ``with`` blocks while
+``torch.compile`` traces, where hooks cannot hold it), lets a wrapped model compile without
+graph breaks.
 
 Only what runs inside a wrapped model's forward is cast. Outputs leave the model in
 ``policy.output`` (float32 for O1/O2), so a loss computed outside runs in float32.
@@ -46,19 +47,17 @@ from mixprec.dtypes import is_low_precision
 from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 
-from .copies import CopyOnly
 from .decisions import DecisionContext, Decisions, InputKey, input_key
 from .dtypes import FLOATING, cast_floating, torch_dtype
 from .ops import NORM_ARGS, NORM_PARAMS_KW, NORM_STATS_KW, TORCH_OPS, callables_for
 from .probes import autocast_dtypes, probe
+from .tracing import autocast_each
 
 __all__ = [
     "DecisionContext",
     "OpCasting",
     "PolicyMode",
-    "TracedForward",
     "active_casting",
-    "autocast_each",
     "autocast_off",
     "context_stack",
     "disable_autocast",
@@ -312,6 +311,11 @@ class OpCasting:
         """Whether a region does anything at all (autocast or the mode)."""
         return self.autocast is not None or bool(self.table)
 
+    def mode(self) -> PolicyMode:
+        """A fresh op-casting mode for this plan (:class:`~mixprec_torch.tracing.TracedForward`
+        enters it in a ``with`` block)."""
+        return PolicyMode(self)
+
     def dtype_for(self, op: str, key: InputKey) -> torch.dtype:
         """The dtype ``op`` runs in for inputs ``key`` (:func:`input_key`) in the current
         module context: a lookup in the answers prepared at wrap time."""
@@ -356,66 +360,3 @@ def region(casting: OpCasting) -> Iterator[None]:
         yield
     finally:
         casting.exit()
-
-
-def autocast_each(
-    device_types: Sequence[str],
-    dtype: torch.dtype | None,
-    fn: Callable[..., Any],
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """``fn(*args, **kwargs)`` inside ``with torch.autocast(d, dtype=dtype)`` for each device
-    type ``d`` (``dtype`` None: autocast off), the form dynamo traces."""
-    if not device_types:
-        return fn(*args, **kwargs)
-    with torch.autocast(device_types[0], dtype=dtype, enabled=dtype is not None):
-        return autocast_each(device_types[1:], dtype, fn, *args, **kwargs)
-
-
-class TracedForward(CopyOnly):
-    """A module's ``forward`` as an instance attribute: eager calls go straight through;
-    while ``torch.compile`` traces, it runs the forward inside ``with`` blocks.
-
-    The eager region is entered by a forward pre-hook and left by the post-hook. Dynamo
-    cannot carry that across hooks: it traces a user-defined model's hooks as frames apart
-    from its forward (their autocast state would not reach the compiled forward), and an
-    autocast flag flipped in one inlined hook and restored in another breaks its
-    bookkeeping. So while compiling, the hooks leave the region to this wrapper:
-
-    :param casting: the model's op casting.
-    :param forward: the module's own ``forward`` (bound).
-    :param region: open the op-casting region (the root of the wrapped model).
-    :param island: turn autocast off inside (a module pinned to a dtype).
-    """
-
-    def __init__(
-        self, casting: OpCasting, forward: Callable[..., Any], *, region: bool, island: bool
-    ) -> None:
-        self.casting = casting
-        self.forward = forward
-        self.region = region
-        self.island = island
-        self.__wrapped__ = forward  # inspect.signature(model.forward) sees the real one
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
-            return self.forward(*args, **kwargs)
-        casting = self.casting
-        if not self.region:
-            return self._inner(*args, **kwargs)
-        if not casting.table:
-            return autocast_each(
-                casting.device_types, casting.autocast, self._inner, *args, **kwargs
-            )
-        with PolicyMode(casting):
-            if casting.autocast is None:
-                return self._inner(*args, **kwargs)
-            return autocast_each(
-                casting.device_types, casting.autocast, self._inner, *args, **kwargs
-            )
-
-    def _inner(self, *args: Any, **kwargs: Any) -> Any:
-        if self.island:
-            return autocast_each(self.casting.device_types, None, self.forward, *args, **kwargs)
-        return self.forward(*args, **kwargs)

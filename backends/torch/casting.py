@@ -52,17 +52,12 @@ from mixprec.dtypes import is_low_precision
 from mixprec.errors import WrapError
 from mixprec.policy import Policy
 
-from .autocast import (
-    DecisionContext,
-    OpCasting,
-    TracedForward,
-    context_stack,
-    disable_autocast,
-)
+from .autocast import DecisionContext, OpCasting, context_stack, disable_autocast
 from .copies import CopyOnly
 from .dtypes import FLOATING, cast_floating, torch_dtype
 from .sites import ModuleSite, class_names, plan_model
 from .torch_private import in_backward
+from .tracing import TracedForward
 
 __all__ = ["ModelCasting", "ModuleSite", "cast_floating", "class_names", "plan_model"]
 
