@@ -40,6 +40,7 @@ from benchmarks import (
     startup,
     state_memory,
     step_overhead,
+    torch_compile,
     torch_step,
 )
 from benchmarks.printing import print_case
@@ -58,6 +59,7 @@ CASES: tuple[Case, ...] = (
     compensated.CASE,
     compensated_gluon.CASE,
     state_memory.CASE,
+    torch_compile.CASE,
 )
 BY_NAME = {c.name: c for c in CASES}
 

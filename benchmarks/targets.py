@@ -81,6 +81,14 @@ TARGETS: tuple[Target, ...] = (
     Target("wrap", "`wrap` of 1,000 modules < 1 s (slowest preset)",
            "startup", "wrap, 1,000 modules", "value", ("wrap O1-bf16", "wrap O2-bf16"), 1000.0),
     *(
+        Target(f"compile-{preset[:2].lower()}-{kind}",
+               f"mixprec {preset}+compile step ≤ {limit:g} × autocast+compile, {kind}",
+               "compile", kind, "ratio", (f"mixprec {preset}+compile",), limit,
+               "autocast+compile")
+        for preset, limit in (("O1-bf16", 1.05), ("O2-bf16", 1.0))
+        for kind in ("mlp", "transformer")
+    ),
+    *(
         Target(f"accuracy-{backend}",
                f"every mixed preset within 1 point of fp32 accuracy, {backend}",
                "accuracy", backend, "drop", MIXED[backend], 1.0, BASELINE[backend])

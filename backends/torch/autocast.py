@@ -21,6 +21,13 @@ inputs to the pinned dtype, its post-hook turns autocast back on. Modules with r
 their own push a decision context that :class:`PolicyMode` reads, so op rules inside a
 module rule apply there only.
 
+Decisions are looked up, not made, while a forward runs:
+:class:`~mixprec_torch.decisions.Decisions` holds ``Policy.decide``'s answers for every
+intercepted op, decision context and input dtypes, prepared at wrap time. That, and
+:class:`~mixprec_torch.tracing.TracedForward` (the region as ``with`` blocks while
+``torch.compile`` traces, where hooks cannot hold it), lets a wrapped model compile without
+graph breaks.
+
 Only what runs inside a wrapped model's forward is cast. Outputs leave the model in
 ``policy.output`` (float32 for O1/O2), so a loss computed outside runs in float32.
 """
@@ -40,9 +47,11 @@ from mixprec.dtypes import is_low_precision
 from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 
-from .dtypes import FLOATING, cast_floating, dtype_name, torch_dtype
+from .decisions import DecisionContext, Decisions, InputKey, input_key
+from .dtypes import FLOATING, cast_floating, torch_dtype
 from .ops import NORM_ARGS, NORM_PARAMS_KW, NORM_STATS_KW, TORCH_OPS, callables_for
 from .probes import autocast_dtypes, probe
+from .tracing import autocast_each
 
 __all__ = [
     "DecisionContext",
@@ -55,14 +64,6 @@ __all__ = [
     "intercepted_ops",
     "region",
 ]
-
-
-@dataclass(frozen=True)
-class DecisionContext:
-    """The module ``Policy.decide`` is asked about: qualified name and class names (MRO)."""
-
-    path: str | None
-    classes: tuple[str, ...] | None
 
 
 class _Local(threading.local):
@@ -149,21 +150,6 @@ def autocast_dtype(policy: Policy) -> torch.dtype | None:
 # ------------------------------------------------------------------------------------------
 
 
-def _floating_dtypes(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
-    names: list[str] = []
-    for value in (*args, *(v for k, v in kwargs.items() if k != "out")):
-        if isinstance(value, torch.Tensor):
-            if value.dtype in FLOATING:
-                names.append(dtype_name(value.dtype))
-        elif isinstance(value, (list, tuple)):
-            names.extend(
-                dtype_name(v.dtype)
-                for v in value
-                if isinstance(v, torch.Tensor) and v.dtype in FLOATING
-            )
-    return tuple(names)
-
-
 _NormPositions = tuple[tuple[int, int], tuple[int, int]]
 """Positions of a norm's running statistics and of its weight and bias (see ``NORM_ARGS``)."""
 _Entry = tuple[str, _NormPositions | None]
@@ -237,12 +223,15 @@ class PolicyMode(TorchFunctionMode):
         if entry is None:
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        dtype = self.casting.dtype_for(entry[0], _floating_dtypes(args, kwargs))
+        dtype = self.casting.dtype_for(entry[0], input_key(args, kwargs))
         norm = entry[1]
         if norm is not None:
             new_args, new_kwargs, writeback = _norm_call(args, kwargs, dtype, norm)
-            with autocast_off(self.casting.device_types):
-                out = func(*new_args, **new_kwargs)
+            if torch.compiler.is_compiling():
+                out = autocast_each(self.casting.device_types, None, func, *new_args, **new_kwargs)
+            else:
+                with autocast_off(self.casting.device_types):
+                    out = func(*new_args, **new_kwargs)
             if writeback:
                 with torch.no_grad():
                     for original, cast in writeback:
@@ -250,6 +239,8 @@ class PolicyMode(TorchFunctionMode):
             return out
         new_args = [cast_floating(a, dtype) for a in args]
         new_kwargs = {k: v if k == "out" else cast_floating(v, dtype) for k, v in kwargs.items()}
+        if torch.compiler.is_compiling():
+            return autocast_each(self.casting.device_types, None, func, *new_args, **new_kwargs)
         with autocast_off(self.casting.device_types):
             return func(*new_args, **new_kwargs)
 
@@ -300,7 +291,8 @@ class OpCasting:
     ops: frozenset[str] = field(init=False)
     table: dict[Callable[..., Any], _Entry] = field(init=False)
     """Intercepted callable -> (its op name, its norm argument positions or None)."""
-    _dtypes: dict[tuple[Any, ...], torch.dtype] = field(init=False, default_factory=dict)
+    decisions: Decisions = field(init=False)
+    """``Policy.decide``'s answers for the intercepted ops, prepared at wrap time."""
 
     def __post_init__(self) -> None:
         self.autocast = autocast_dtype(self.policy)
@@ -311,25 +303,24 @@ class OpCasting:
             for fn in callables_for(op):
                 table[fn] = (op, NORM_ARGS.get(fn))
         self.table = table
+        self.decisions = Decisions(self.policy, self.ops)
+        self.decisions.prepare(None)
 
     @property
     def active(self) -> bool:
         """Whether a region does anything at all (autocast or the mode)."""
         return self.autocast is not None or bool(self.table)
 
-    def dtype_for(self, op: str, inputs: tuple[str, ...]) -> torch.dtype:
-        """The dtype ``op`` runs in for these inputs in the current module context."""
+    def mode(self) -> PolicyMode:
+        """A fresh op-casting mode for this plan (:class:`~mixprec_torch.tracing.TracedForward`
+        enters it in a ``with`` block)."""
+        return PolicyMode(self)
+
+    def dtype_for(self, op: str, key: InputKey) -> torch.dtype:
+        """The dtype ``op`` runs in for inputs ``key`` (:func:`input_key`) in the current
+        module context: a lookup in the answers prepared at wrap time."""
         contexts = _local.contexts
-        context = contexts[-1] if contexts else None
-        key = (op, inputs, context)
-        dtype = self._dtypes.get(key)
-        if dtype is None:
-            if context is None:
-                decision = self.policy.decide(op, inputs)
-            else:
-                decision = self.policy.decide(op, inputs, context.path, context.classes)
-            dtype = self._dtypes[key] = torch_dtype(decision.dtype)
-        return dtype
+        return self.decisions.dtype(op, contexts[-1] if contexts else None, key)
 
     # --------------------------------------------------------------------- regions
 

@@ -57,6 +57,7 @@ from .copies import CopyOnly
 from .dtypes import FLOATING, cast_floating, torch_dtype
 from .sites import ModuleSite, class_names, plan_model
 from .torch_private import in_backward
+from .tracing import TracedForward
 
 __all__ = ["ModelCasting", "ModuleSite", "cast_floating", "class_names", "plan_model"]
 
@@ -99,6 +100,7 @@ class ModelCasting(CopyOnly):
             torch_dtype(root.dtype) if cast_params and is_low_precision(root.dtype) else None
         )
         self._handles: list[Any] = []
+        self._traced: list[tuple[nn.Module, TracedForward, Any]] = []
         self._sentinel: tuple[str, nn.Parameter, torch.dtype] | None = None
         self.depth = 0
         """Forwards of this model running now, through the root or an entry (an int, not a
@@ -166,9 +168,17 @@ class ModelCasting(CopyOnly):
         )
         handles.append(model.register_forward_hook(self._root_post, always_call=True))
         by_name = {site.name: site for site in self.sites}
+        if self.casting is not None:  # torch.compile: the region as with blocks
+            self._trace_forward(model, region=True, island=self._root_island and self.autocast_on)
+        if self.casting is not None and self.mode_on:
+            for site in self.sites:
+                if site.has_rule:  # the mode only looks decisions up while a forward runs
+                    self.casting.decisions.prepare(DecisionContext(site.name, site.classes))
         for site in self.sites[1:]:
             module = site.module
             island, context = self.is_island(site), self.mode_on and site.has_rule
+            if island and self.autocast_on:
+                self._trace_forward(module, region=False, island=True)
             if island or context:
                 hooks = _SiteHooks(self, site, island=island, context=context)
                 handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
@@ -184,18 +194,34 @@ class ModelCasting(CopyOnly):
                 )
                 handles.append(module.register_forward_hook(entry.post, always_call=True))
 
+    def _trace_forward(self, module: nn.Module, *, region: bool, island: bool) -> None:
+        """Give ``module`` a :class:`TracedForward` (what it does under ``torch.compile``)."""
+        assert self.casting is not None
+        previous = vars(module).get("forward")  # an instance attribute of its own, if any
+        traced = TracedForward(self.casting, module.forward, region=region, island=island)
+        module.forward = traced  # type: ignore[method-assign]
+        self._traced.append((module, traced, previous))
+
     def remove(self) -> None:
-        """Remove every hook :meth:`install` registered."""
+        """Remove every hook :meth:`install` registered, and every :class:`TracedForward`."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module, traced, previous in self._traced:
+            if vars(module).get("forward") is traced:
+                if previous is None:
+                    del module.forward
+                else:
+                    module.forward = previous  # type: ignore[method-assign]
+        self._traced.clear()
 
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._sentinel is not None and self._sentinel[1].dtype != self._sentinel[2]:
             _recast_error(self.policy, *self._sentinel)
         undo: list[Any] = []
         try:
-            if self.casting is not None:
+            if self.casting is not None and not torch.compiler.is_compiling():
+                # (compiling: the root's TracedForward opens the region instead)
                 self.casting.enter()
                 undo.append(self.casting.exit)
             if self._root_island or self._root_context:
@@ -266,7 +292,8 @@ def _enter_site(owner: ModelCasting, site: ModuleSite, *, island: bool) -> list[
         contexts.append(DecisionContext(site.name, site.classes))
         undo.append(contexts.pop)
     if island and casting is not None and casting.autocast is not None:
-        undo.append(disable_autocast(casting.device_types))
+        if not torch.compiler.is_compiling():  # else the island's TracedForward does it
+            undo.append(disable_autocast(casting.device_types))
     return undo
 
 
@@ -339,6 +366,12 @@ class _EntryHooks:
         owner = self.owner
         if owner.depth:
             return None  # inside the model's forward: the root's boundary holds already
+        if torch.compiler.is_compiling():
+            return _entry_pre_eagerly(self, module, args, kwargs)
+        return self._pre(module, args, kwargs)
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        owner = self.owner
         # Called during backward: torch.utils.checkpoint recomputing this module. It ran
         # inside the forward's region, so it gets the region, context and autocast state
         # back, but no boundary casts (the forward had none here): the recomputed tensors
@@ -371,7 +404,23 @@ class _EntryHooks:
         stack = _hooks_local.stack
         if not (stack and stack[-1][0] is module and self.owner.depth):
             return None  # the pre-hook entered nothing (the site's own hooks popped theirs)
+        if torch.compiler.is_compiling():
+            return _entry_post_eagerly(self, module, args, output)
+        return self._post(module, args, output)
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         _undo(module)
         if output is None or self.recomputing:
             return None
         return cast_floating(output, self.owner.output_dtype)
+
+
+# A module compiled on its own (``torch.compile(model.encoder)``, not the wrapped root) runs
+# its entry hooks eagerly: one graph break each, and its forward compiles inside the region
+# they open (a compiled root opens it in its TracedForward, without a break).
+_EAGER_ENTRY = (
+    "mixprec: a module of a wrapped model compiled on its own opens its boundary eagerly; "
+    "compile the wrapped model itself for no graph break"
+)
+_entry_pre_eagerly = torch.compiler.disable(_EntryHooks._pre, reason=_EAGER_ENTRY)
+_entry_post_eagerly = torch.compiler.disable(_EntryHooks._post, reason=_EAGER_ENTRY)

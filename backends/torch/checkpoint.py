@@ -127,7 +127,11 @@ class ModelCheckpoint(CopyOnly):
             if not isinstance(value, torch.Tensor):
                 continue
             current = _buffer(mod, bname)
-            if current is cast and tensor_version(current) == version:
+            if (
+                current is cast
+                and tensor_version(current) == version
+                and _unchanged(cast, original)
+            ):
                 state_dict[key] = original
             elif value.is_floating_point() and value.dtype != torch.float32:
                 state_dict[key] = value.float()
@@ -316,3 +320,10 @@ def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], **kwargs: Any) -> None
             torch.save(obj, tmp, **kwargs)
     else:
         torch.save(obj, f, **kwargs)
+
+
+def _unchanged(cast: torch.Tensor, original: torch.Tensor) -> bool:
+    """Whether ``cast`` still holds ``original`` rounded to its dtype. The version counter
+    alone does not tell: the CPU batch-norm kernel updates low-precision running statistics
+    in place without bumping it."""
+    return bool(torch.equal(cast, original.to(device=cast.device, dtype=cast.dtype)))

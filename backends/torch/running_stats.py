@@ -11,6 +11,10 @@ can overflow a running variance while every gradient stays finite) and
 (:meth:`RunningStats.settle`) copies them back when the step is skipped, forgetting the copy
 otherwise.
 
+Under ``torch.compile`` the pre-hook is traced into the graph. Its Python-level check (is
+this module's copy already taken this step?) is a guard, so a step with several training
+forwards (gradient accumulation) compiles one more variant of the graph, once.
+
 Cost: one copy of each such module's statistics per step (a few floats per channel, into
 buffers allocated once), nothing for modules in eval mode or without running statistics.
 """
@@ -54,8 +58,12 @@ class RunningStats:
                 ):
                     seen.add(id(module))
                     self.modules.append(module)
-        self._saved: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        """id(module) -> its statistics' names and copies (allocated once, then reused)."""
+        with torch.no_grad():
+            self._saved: dict[int, list[tuple[str, torch.Tensor]]] = {
+                id(m): [(n, t.detach().clone()) for n, t in _stats(m)] for m in self.modules
+            }
+        """id(module) -> its statistics' names and copies (allocated here, so a compiled
+        forward finds them; reallocated if a statistic changes shape, dtype or device)."""
         self._pending: set[int] = set()
         """Modules whose copy belongs to the step in progress."""
         self._handles = [m.register_forward_pre_hook(self._before_forward) for m in self.modules]
@@ -69,6 +77,14 @@ class RunningStats:
             return
         current = _stats(module)
         saved = self._saved.get(key)
+        if saved is not None and torch.compiler.is_compiling():
+            # traced by torch.compile: no metadata comparison (a Python-level branch on
+            # it would be one more guard); copy_ casts and crosses devices itself
+            with torch.no_grad():
+                for (_, copy), (_, value) in zip(saved, current, strict=True):
+                    copy.copy_(value)
+            self._pending.add(key)
+            return
         with torch.no_grad():
             if saved is None or [(n, t.shape, t.dtype, t.device) for n, t in saved] != [
                 (n, t.shape, t.dtype, t.device) for n, t in current

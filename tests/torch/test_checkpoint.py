@@ -170,3 +170,17 @@ def test_params_changed_outside_the_step_are_saved_not_stale_masters() -> None:
         zip([n for n, _ in model.named_parameters()], mpt.master_params(opt), strict=True)
     )
     assert all(torch.equal(model.state_dict()[n], m) for n, m in masters.items())
+
+
+def test_o3_state_dict_saves_batchnorm_statistics_the_forward_updated() -> None:
+    """The CPU batch-norm kernel updates bfloat16 running statistics in place without
+    bumping their version counter: the save must still see the new values, not the float32
+    originals from wrap."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    model, _ = mpt.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="O3-bf16")
+    model(torch.randn(16, 4))
+    saved = model.state_dict()["1.running_mean"]
+    assert saved.dtype == torch.float32
+    assert torch.equal(saved, model[1].running_mean.float())
+    assert saved.abs().sum() > 0

@@ -38,6 +38,8 @@ def live_tensor_bytes() -> int:
     for obj in gc.get_objects():
         # type(), not isinstance: isinstance reads __class__, which some torch objects warn on
         if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
+            if type(obj).__module__.startswith("torch._subclasses"):
+                continue  # FakeTensor & co. that torch.compile left behind: no real memory
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
