@@ -29,7 +29,9 @@ exported here too), :mod:`.torch_private` (every private torch name), :mod:`.pre
 (``advise``: which policy for this model here; not ``advise.py``, which would shadow the
 lazy function), :mod:`.lightning` (``MixprecPrecision``), :mod:`.copies` (deep copies
 of wrapped models keep exact masters; pickles and optimizer copies refuse),
-:mod:`.averaging` (``AveragedModel``, ``ema``: weight averages in float32) and
+:mod:`.averaging` (``AveragedModel``, ``ema``: weight averages in float32),
+:mod:`.recompute` (``checkpoint_context``), :mod:`.reentrant` (``ReentrantCheckpointWarning``
+for plain functions under reentrant checkpointing) and
 :mod:`.plugin` (the entry point, which never imports torch).
 """
 
@@ -42,6 +44,7 @@ from mixprec.lazy import lazy_exports
 __all__ = [
     "AveragedModel",
     "MixprecState",
+    "ReentrantCheckpointWarning",
     "advise",
     "all_reduce_found_inf",
     "capabilities",
@@ -74,6 +77,7 @@ _LAZY = {
     "state": "mixprec_torch.loop",
     "save": "mixprec_torch.checkpoint",
     "checkpoint_context": "mixprec_torch.recompute",
+    "ReentrantCheckpointWarning": "mixprec_torch.reentrant",
     "MixprecState": "mixprec.scaler",
     "capabilities": "mixprec_torch.devices",
     "conformance_adapter": "mixprec_torch.conformance",
@@ -103,6 +107,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mixprec_torch.distributed import all_reduce_found_inf
     from mixprec_torch.loop import master_params, scale_loss, state, unscale_
     from mixprec_torch.recompute import checkpoint_context
+    from mixprec_torch.reentrant import ReentrantCheckpointWarning
     from mixprec_torch.sharding import (
         fsdp_mixed_precision_policy,
         fully_shard_with_policy,

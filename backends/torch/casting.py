@@ -55,6 +55,7 @@ from mixprec.policy import Policy
 from .autocast import DecisionContext, OpCasting, context_stack, disable_autocast
 from .copies import CopyOnly
 from .dtypes import FLOATING, cast_floating, torch_dtype
+from .reentrant import ReentrantCheck
 from .sites import ModuleSite, class_names, plan_model
 from .torch_private import in_backward
 from .tracing import TracedForward
@@ -102,6 +103,8 @@ class ModelCasting(CopyOnly):
         self._handles: list[Any] = []
         self._traced: list[tuple[nn.Module, TracedForward, Any]] = []
         self._sentinel: tuple[str, nn.Parameter, torch.dtype] | None = None
+        self.reentrant = ReentrantCheck(policy.label)
+        """Warns for plain functions under reentrant checkpointing (first forwards only)."""
         self.depth = 0
         """Forwards of this model running now, through the root or an entry (an int, not a
         thread-local: a wrapped model trains on one thread, and a copy must deep-copy)."""
@@ -246,6 +249,9 @@ class ModelCasting(CopyOnly):
         _undo(module)
         if output is None:
             return None
+        # only the op-casting mode is lost in a reentrant recomputation (autocast is restored)
+        if not torch.compiler.is_compiling() and self.reentrant.remaining and self.mode_on:
+            self.reentrant.after_forward(output)
         return cast_floating(output, self.output_dtype)
 
 

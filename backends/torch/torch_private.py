@@ -28,6 +28,7 @@ __all__ = [
     "mark_step_hooked",
     "non_finite_check_and_unscale_",
     "problems",
+    "reentrant_checkpoint_function",
     "scheduler_step_wrapper",
     "sole_owner",
     "sparse_values",
@@ -200,6 +201,25 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+def reentrant_checkpoint_function(node: Any) -> Callable[..., Any] | None:
+    """The callable a reentrant ``torch.utils.checkpoint`` checkpointed, when ``node`` (an
+    autograd graph node) is that checkpoint's backward node; None for any other node.
+
+    Why private: reentrant checkpointing is the autograd Function ``CheckpointFunction``,
+    whose graph node is its ``ctx``; the node's class name ``CheckpointFunctionBackward`` and
+    ``ctx.run_function`` are not public, and nothing public says what a checkpoint will
+    recompute (:mod:`mixprec_torch.reentrant` warns for plain functions there).
+    """
+    if type(node).__name__ != "CheckpointFunctionBackward":
+        return None
+    fn = getattr(node, "run_function", None)
+    return fn if callable(fn) else None
+
+
+def _doubled(t: torch.Tensor) -> torch.Tensor:
+    return t * 2
+
+
 def problems() -> list[str]:
     """One line per private name above that this torch build no longer has or that no
     longer behaves as the backend relies on (empty when everything is in place)."""
@@ -244,6 +264,15 @@ def problems() -> list[str]:
     leaf.register_hook(lambda grad: seen.append(in_backward()))
     (leaf * 2).sum().backward()
     need(seen == [True], "torch._C._current_graph_task_id no longer tells backward apart")
+    from torch.utils.checkpoint import checkpoint
+
+    out = checkpoint(_doubled, torch.ones(1, requires_grad=True), use_reentrant=True)
+    need(
+        reentrant_checkpoint_function(out.grad_fn) is _doubled
+        and reentrant_checkpoint_function((out * 1).grad_fn) is None,
+        "a reentrant checkpoint's graph node is no longer CheckpointFunctionBackward holding "
+        "the checkpointed callable as run_function",
+    )
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.optim.lr_scheduler.StepLR(opt, 1)
