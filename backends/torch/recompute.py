@@ -14,7 +14,9 @@ Two pieces put them back:
   re-open the region and context without the boundary casts the forward did not have;
 - a checkpointed plain *function* cannot be seen by any hook: pass
   :func:`checkpoint_context` as ``context_fn`` (non-reentrant checkpointing only, PyTorch's
-  own restriction), or checkpoint a module that calls it.
+  own restriction), or checkpoint a module that calls it. Reentrant checkpointing of a
+  plain function is not repaired but not silent either: :mod:`mixprec_torch.reentrant`
+  warns (``ReentrantCheckpointWarning``).
 """
 
 from __future__ import annotations
