@@ -30,8 +30,8 @@ exported here too), :mod:`.torch_private` (every private torch name), :mod:`.pre
 lazy function), :mod:`.lightning` (``MixprecPrecision``), :mod:`.copies` (deep copies
 of wrapped models keep exact masters; pickles and optimizer copies refuse),
 :mod:`.averaging` (``AveragedModel``, ``ema``: weight averages in float32),
-:mod:`.recompute` (``checkpoint_context``), :mod:`.reentrant` (``ReentrantCheckpointWarning``
-for plain functions under reentrant checkpointing) and
+:mod:`.recompute` (``checkpoint_context``), :mod:`.reentrant` (plain functions under
+reentrant checkpointing: repaired, or ``ReentrantCheckpointWarning``) and
 :mod:`.plugin` (the entry point, which never imports torch).
 """
 

@@ -62,6 +62,7 @@ __all__ = [
     "context_stack",
     "disable_autocast",
     "intercepted_ops",
+    "recomputation",
     "region",
 ]
 
@@ -360,3 +361,23 @@ def region(casting: OpCasting) -> Iterator[None]:
         yield
     finally:
         casting.exit()
+
+
+@contextmanager
+def recomputation(casting: OpCasting, context: DecisionContext | None) -> Iterator[None]:
+    """The op-casting mode and decision context of a forward, around a recomputation of part
+    of it during backward (activation checkpointing).
+
+    Autocast is not entered here: ``torch.utils.checkpoint`` restores the forward's autocast
+    state itself (on, or off inside a float32 island), and entering it again would turn it on
+    inside an island.
+    """
+    contexts = context_stack()
+    if context is not None:
+        contexts.append(context)
+    try:
+        with PolicyMode(casting):
+            yield
+    finally:
+        if context is not None:
+            contexts.pop()

@@ -42,6 +42,7 @@ Every hook is a bound method of a :class:`ModelCasting` stored on the model, so
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, NoReturn
 
@@ -52,7 +53,7 @@ from mixprec.dtypes import is_low_precision
 from mixprec.errors import WrapError
 from mixprec.policy import Policy
 
-from .autocast import DecisionContext, OpCasting, context_stack, disable_autocast
+from .autocast import DecisionContext, OpCasting, context_stack, disable_autocast, recomputation
 from .copies import CopyOnly
 from .dtypes import FLOATING, cast_floating, torch_dtype
 from .reentrant import ReentrantCheck
@@ -104,7 +105,11 @@ class ModelCasting(CopyOnly):
         self._traced: list[tuple[nn.Module, TracedForward, Any]] = []
         self._sentinel: tuple[str, nn.Parameter, torch.dtype] | None = None
         self.reentrant = ReentrantCheck(policy.label)
-        """Warns for plain functions under reentrant checkpointing (first forwards only)."""
+        """Repairs (or warns about) plain functions under reentrant checkpointing."""
+        self._plain_context: DecisionContext | None = None
+        self._plain_known = False
+        """Whether every plain function of the forward runs in ``_plain_context`` (no module
+        of the user's own has a rule of its own): set by :meth:`install`."""
         self.depth = 0
         """Forwards of this model running now, through the root or an entry (an int, not a
         thread-local: a wrapped model trains on one thread, and a copy must deep-copy)."""
@@ -163,6 +168,17 @@ class ModelCasting(CopyOnly):
         self._sentinel = _lowp_param(model, self.sites) if self.cast_params else None
         self._root_island = self.is_island(root)
         self._root_context = self.mode_on and root.has_rule
+        # a plain function runs in the context of the innermost ruled module calling it;
+        # torch's own modules (BatchNorm, LayerNorm...) call none, so if only they have rules
+        # every plain function runs in the root's context
+        self._plain_known = not self._root_island and all(
+            type(site.module).__module__.startswith("torch.")
+            for site in self.sites[1:]
+            if site.has_rule
+        )
+        self._plain_context = (
+            DecisionContext(root.name, root.classes) if self._root_context else None
+        )
         if self._root_island:
             self.input_dtype = torch_dtype(root.dtype)
         handles = self._handles
@@ -250,8 +266,14 @@ class ModelCasting(CopyOnly):
         if output is None:
             return None
         # only the op-casting mode is lost in a reentrant recomputation (autocast is restored)
-        if not torch.compiler.is_compiling() and self.reentrant.remaining and self.mode_on:
-            self.reentrant.after_forward(output)
+        if not torch.compiler.is_compiling() and self.reentrant.due and self.mode_on:
+            casting, context = self.casting, self._plain_context
+            restore = (
+                functools.partial(recomputation, casting, context)
+                if self._plain_known and casting is not None
+                else None
+            )
+            self.reentrant.after_forward(output, restore)
         return cast_floating(output, self.output_dtype)
 
 

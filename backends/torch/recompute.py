@@ -14,38 +14,18 @@ Two pieces put them back:
   re-open the region and context without the boundary casts the forward did not have;
 - a checkpointed plain *function* cannot be seen by any hook: pass
   :func:`checkpoint_context` as ``context_fn`` (non-reentrant checkpointing only, PyTorch's
-  own restriction), or checkpoint a module that calls it. Reentrant checkpointing of a
-  plain function is not repaired but not silent either: :mod:`mixprec_torch.reentrant`
-  warns (``ReentrantCheckpointWarning``).
+  own restriction), or checkpoint a module that calls it. Under reentrant checkpointing
+  :mod:`mixprec_torch.reentrant` repairs a plain function's recomputation through its graph
+  node, or warns (``ReentrantCheckpointWarning``) where its decision context is unknown.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
-from .autocast import DecisionContext, OpCasting, PolicyMode, active_casting, context_stack
+from .autocast import active_casting, context_stack, recomputation
 
 __all__ = ["checkpoint_context"]
-
-
-@contextmanager
-def _restored(casting: OpCasting, context: DecisionContext | None) -> Iterator[None]:
-    """The op-casting mode and decision context of a forward, around its recomputation.
-
-    Autocast is not entered here: ``torch.utils.checkpoint`` restores the forward's autocast
-    state itself (on, or off inside a float32 island), and entering it again would turn it on
-    inside an island.
-    """
-    contexts = context_stack()
-    if context is not None:
-        contexts.append(context)
-    try:
-        with PolicyMode(casting):
-            yield
-    finally:
-        if context is not None:
-            contexts.pop()
 
 
 def checkpoint_context() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
@@ -66,4 +46,4 @@ def checkpoint_context() -> tuple[AbstractContextManager[None], AbstractContextM
     if casting is None:
         return nullcontext(), nullcontext()
     contexts = context_stack()
-    return nullcontext(), _restored(casting, contexts[-1] if contexts else None)
+    return nullcontext(), recomputation(casting, contexts[-1] if contexts else None)

@@ -30,6 +30,7 @@ __all__ = [
     "problems",
     "reentrant_checkpoint_function",
     "scheduler_step_wrapper",
+    "set_reentrant_checkpoint_function",
     "sole_owner",
     "sparse_values",
     "tensor_version",
@@ -216,6 +217,16 @@ def reentrant_checkpoint_function(node: Any) -> Callable[..., Any] | None:
     return fn if callable(fn) else None
 
 
+def set_reentrant_checkpoint_function(node: Any, fn: Callable[..., Any]) -> None:
+    """Make the reentrant checkpoint whose backward node is ``node`` recompute ``fn``.
+
+    Why private: ``CheckpointFunction.backward`` calls ``ctx.run_function`` (the node is the
+    ``ctx``); replacing it is the only way to run a plain function's recomputation under the
+    forward's op casting, as reentrant checkpointing takes no ``context_fn``.
+    """
+    node.run_function = fn
+
+
 def _doubled(t: torch.Tensor) -> torch.Tensor:
     return t * 2
 
@@ -272,6 +283,14 @@ def problems() -> list[str]:
         and reentrant_checkpoint_function((out * 1).grad_fn) is None,
         "a reentrant checkpoint's graph node is no longer CheckpointFunctionBackward holding "
         "the checkpointed callable as run_function",
+    )
+    leaf = torch.ones(1, requires_grad=True)
+    out = checkpoint(_doubled, leaf, use_reentrant=True)
+    set_reentrant_checkpoint_function(out.grad_fn, lambda t: t * 3)
+    out.sum().backward()
+    need(
+        leaf.grad is not None and float(leaf.grad) == 3.0,
+        "a reentrant checkpoint's backward no longer recomputes through ctx.run_function",
     )
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,5 +1,6 @@
-"""Reentrant checkpointing of a plain function under O1 is not silent: a warning names the
-function and the two fixes; every case that is recomputed correctly stays quiet."""
+"""Reentrant checkpointing of a plain function under O1: recomputed under the forward's op
+casting where every plain function runs in one decision context; otherwise not silent: a
+warning names the function and the two fixes. Every case recomputed correctly stays quiet."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ nn = torch.nn
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import mixprec  # noqa: E402
+from mixprec.policy import Policy  # noqa: E402
 from mixprec_torch.reentrant import CHECKED_FORWARDS, ReentrantCheckpointWarning  # noqa: E402
 
 WIDTH = 4
@@ -71,7 +73,12 @@ class Net(nn.Module):
         return self.head(h)  # type: ignore[no-any-return]
 
 
-def _wrapped(how: str | None, policy: str = "O1-bf16") -> nn.Module:
+RULED = mixprec.get_policy("O1-bf16").with_module("Block", match="class", ops={"exp": "lowp"})
+"""O1-bf16 with a rule on a module class of the user's own: a plain function may run in its
+context, which a graph node does not record, so mixprec warns instead of repairing."""
+
+
+def _wrapped(how: str | None, policy: str | Policy = "O1-bf16") -> nn.Module:
     torch.manual_seed(0)
     model = Net(how)
     wrapped, _ = mixprec.torch.wrap(
@@ -90,8 +97,27 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("how", ["plain", "partial-plain"])
-def test_a_reentrant_plain_function_under_o1_warns_once_naming_the_fixes(how: str) -> None:
+def test_a_reentrant_plain_function_under_o1_is_recomputed_with_the_forwards_casting(
+    how: str,
+) -> None:
+    """The checkpoint's recomputation runs under O1's op casting (softmax in float32), past
+    the first checked forwards too: the gradients of the same model without checkpointing."""
     model = _wrapped(how)
+    expected = _grads(_wrapped(None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReentrantCheckpointWarning)
+        for _ in range(CHECKED_FORWARDS + 2):
+            model.zero_grad()
+            got = _grads(model)
+            for e, g in zip(expected, got, strict=True):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["plain", "partial-plain"])
+def test_a_plain_function_in_a_model_with_rules_of_its_own_warns_once_naming_the_fixes(
+    how: str,
+) -> None:
+    model = _wrapped(how, RULED)
     with pytest.warns(ReentrantCheckpointWarning) as caught:
         model(_x())
         model(_x())
@@ -103,7 +129,7 @@ def test_a_reentrant_plain_function_under_o1_warns_once_naming_the_fixes(how: st
     assert "use_reentrant=False, context_fn=mixprec.torch.checkpoint_context" in message
     assert caught[0].filename == __file__  # points at the user's forward call
     # what the warning is about: the gradients differ from those of the plain forward
-    expected = _grads(_wrapped(None))
+    expected = _grads(_wrapped(None, RULED))
     assert not all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
     assert mixprec.torch.ReentrantCheckpointWarning is ReentrantCheckpointWarning
     assert issubclass(ReentrantCheckpointWarning, mixprec.MixprecWarning)
@@ -142,7 +168,7 @@ def _forward(model: nn.Module, grad: bool) -> Any:
 
 
 def test_the_check_runs_only_on_the_first_forwards_with_a_graph() -> None:
-    model = _wrapped(None)
+    model = _wrapped(None, RULED)
     for _ in range(5):
         _forward(model, grad=False)  # no graph: not counted, nothing walked
     for _ in range(CHECKED_FORWARDS):
@@ -152,7 +178,7 @@ def test_the_check_runs_only_on_the_first_forwards_with_a_graph() -> None:
         warnings.simplefilter("error", ReentrantCheckpointWarning)
         _forward(model, grad=True)
 
-    fresh = _wrapped(None)
+    fresh = _wrapped(None, RULED)
     for _ in range(CHECKED_FORWARDS - 1):
         _forward(fresh, grad=True)
     fresh.how = "plain"
@@ -161,7 +187,7 @@ def test_the_check_runs_only_on_the_first_forwards_with_a_graph() -> None:
 
 
 def test_no_grad_and_inference_forwards_do_not_warn() -> None:
-    model = _wrapped("plain")
+    model = _wrapped("plain", RULED)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReentrantCheckpointWarning)
         warnings.filterwarnings("ignore", "None of the inputs have requires_grad")
