@@ -44,19 +44,19 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.dtypes import is_low_precision
-from mixprec.errors import WrapError
 from mixprec.policy import Policy
 
 from .autocast import DecisionContext, OpCasting, context_stack, disable_autocast, recomputation
 from .copies import CopyOnly
-from .dtypes import FLOATING, cast_floating, torch_dtype
-from .reentrant import ReentrantCheck
+from .dtypes import cast_floating, torch_dtype
+from .param_dtypes import apply_param_dtypes, lowp_param, planned_dtypes, recast_error
+from .reentrant import ReentrantCheck, plain_function_context
 from .sites import ModuleSite, class_names, plan_model
 from .torch_private import in_backward
 from .tracing import TracedForward
@@ -106,10 +106,8 @@ class ModelCasting(CopyOnly):
         self._sentinel: tuple[str, nn.Parameter, torch.dtype] | None = None
         self.reentrant = ReentrantCheck(policy.label)
         """Repairs (or warns about) plain functions under reentrant checkpointing."""
-        self._plain_context: DecisionContext | None = None
-        self._plain_known = False
-        """Whether every plain function of the forward runs in ``_plain_context`` (no module
-        of the user's own has a rule of its own): set by :meth:`install`."""
+        self._plain: tuple[bool, DecisionContext | None] = (False, None)
+        """(known, context) of the forward's plain functions: set by :meth:`install`."""
         self.depth = 0
         """Forwards of this model running now, through the root or an entry (an int, not a
         thread-local: a wrapped model trains on one thread, and a copy must deep-copy)."""
@@ -118,33 +116,14 @@ class ModelCasting(CopyOnly):
         """Use ``casting`` for the forward's op-casting region (None or inactive: no region)."""
         self.casting = casting if casting is not None and casting.active else None
 
-    # ------------------------------------------------------------------ params
-
     def planned_dtype(self) -> dict[int, str]:
         """id(param) -> the dtype the plan gives it (every floating parameter)."""
-        return {
-            id(p): site.dtype
-            for site in self.sites
-            for p in site.module.parameters(recurse=False)
-            if p.is_floating_point()
-        }
+        return planned_dtypes(self.sites)
 
     def apply_param_dtypes(self) -> None:
         """Cast each module's own parameters (and their grads) and floating buffers in place."""
-        if not self.cast_params:
-            return
-        with torch.no_grad():
-            for site in self.sites:
-                dtype = torch_dtype(site.dtype)
-                module = site.module
-                for param in module.parameters(recurse=False):
-                    if param.dtype in FLOATING and param.dtype != dtype:
-                        param.data = param.data.to(dtype)
-                        if param.grad is not None:
-                            param.grad = param.grad.to(dtype)
-                for bname, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
-                    if buf.dtype in FLOATING and buf.dtype != dtype:
-                        setattr(module, bname, buf.to(dtype))  # replaces the registered buffer
+        if self.cast_params:
+            apply_param_dtypes(self.sites)
 
     # ------------------------------------------------------------------ hooks
 
@@ -165,19 +144,11 @@ class ModelCasting(CopyOnly):
     def install(self, model: nn.Module) -> None:
         """Register the root's boundary hooks and every island/context hook."""
         root = self.sites[0]
-        self._sentinel = _lowp_param(model, self.sites) if self.cast_params else None
+        self._sentinel = lowp_param(model, self.sites) if self.cast_params else None
         self._root_island = self.is_island(root)
         self._root_context = self.mode_on and root.has_rule
-        # a plain function runs in the context of the innermost ruled module calling it;
-        # torch's own modules (BatchNorm, LayerNorm...) call none, so if only they have rules
-        # every plain function runs in the root's context
-        self._plain_known = not self._root_island and all(
-            type(site.module).__module__.startswith("torch.")
-            for site in self.sites[1:]
-            if site.has_rule
-        )
-        self._plain_context = (
-            DecisionContext(root.name, root.classes) if self._root_context else None
+        self._plain = plain_function_context(
+            self.sites, root_island=self._root_island, root_context=self._root_context
         )
         if self._root_island:
             self.input_dtype = torch_dtype(root.dtype)
@@ -236,7 +207,7 @@ class ModelCasting(CopyOnly):
 
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._sentinel is not None and self._sentinel[1].dtype != self._sentinel[2]:
-            _recast_error(self.policy, *self._sentinel)
+            recast_error(self.policy, *self._sentinel)
         undo: list[Any] = []
         try:
             if self.casting is not None and not torch.compiler.is_compiling():
@@ -267,40 +238,14 @@ class ModelCasting(CopyOnly):
             return None
         # only the op-casting mode is lost in a reentrant recomputation (autocast is restored)
         if not torch.compiler.is_compiling() and self.reentrant.due and self.mode_on:
-            casting, context = self.casting, self._plain_context
+            (known, context), casting = self._plain, self.casting
             restore = (
                 functools.partial(recomputation, casting, context)
-                if self._plain_known and casting is not None
+                if known and casting is not None
                 else None
             )
             self.reentrant.after_forward(output, restore)
         return cast_floating(output, self.output_dtype)
-
-
-def _lowp_param(
-    model: nn.Module, sites: list[ModuleSite]
-) -> tuple[str, nn.Parameter, torch.dtype] | None:
-    """One parameter the plan casts to low precision: its dtype is checked on every forward
-    (one attribute read) to catch ``model.float()`` and the like after wrap."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    for site in sites:
-        if not is_low_precision(site.dtype):
-            continue
-        for param in site.module.parameters(recurse=False):
-            if param.is_floating_point() and id(param) in names:
-                return names[id(param)], param, torch_dtype(site.dtype)
-    return None
-
-
-def _recast_error(policy: Policy, name: str, param: nn.Parameter, planned: torch.dtype) -> NoReturn:
-    raise WrapError(
-        f"the wrapped model's parameters were cast after mixprec.torch.wrap: {name!r} is "
-        f"{str(param.dtype).removeprefix('torch.')} but policy {policy.label} keeps it "
-        f"{str(planned).removeprefix('torch.')} (model.float(), .half(), .bfloat16() or "
-        ".to(dtype) change dtypes behind the optimizer's float32 masters). Do not cast a "
-        "wrapped model: wrap it with policy='O0' to train in float32, or load "
-        "model.state_dict() (float32 values) into an unwrapped copy to evaluate in float32"
-    )
 
 
 def _undo(module: nn.Module) -> None:

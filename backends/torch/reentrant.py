@@ -37,6 +37,8 @@ from torch import nn
 
 from mixprec.errors import MixprecWarning
 
+from .decisions import DecisionContext
+from .sites import ModuleSite
 from .torch_private import (
     in_backward,
     reentrant_checkpoint_function,
@@ -49,6 +51,7 @@ __all__ = [
     "Recompute",
     "ReentrantCheck",
     "ReentrantCheckpointWarning",
+    "plain_function_context",
 ]
 
 CHECKED_FORWARDS = 3
@@ -130,6 +133,24 @@ def plain_functions(output: Any, limit: int = MAX_NODES) -> list[Callable[..., A
         if fn not in found:
             found.append(fn)
     return found
+
+
+def plain_function_context(
+    sites: list[ModuleSite], *, root_island: bool, root_context: bool
+) -> tuple[bool, DecisionContext | None]:
+    """Whether every plain function a wrapped model's forward calls runs in one known decision
+    context, and that context.
+
+    A plain function runs in the context of the innermost ruled module calling it. PyTorch's
+    own modules (BatchNorm, LayerNorm...) call none, so when only they have rules every plain
+    function runs in the root's context (its own if the root has a rule, else none); a rule
+    on a module of the user's own (or a root island) leaves it unknown.
+    """
+    root = sites[0]
+    known = not root_island and all(
+        type(site.module).__module__.startswith("torch.") for site in sites[1:] if site.has_rule
+    )
+    return known, DecisionContext(root.name, root.classes) if root_context else None
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
