@@ -4,9 +4,12 @@ The network is 64 residual blocks ``x + LayerNorm(GELU(Linear 32→32 (x)))`` on
 about 260 tiny ops per forward pass, so the time goes into dispatching ops (and deciding their
 dtypes), not into arithmetic. Contenders: ``fp32`` (no casting at all, for reference),
 ``autocast`` (``torch.autocast("cpu", bfloat16)``), ``mixprec torch-autocast-cpu`` (autocast's
-own lists through mixprec: nothing to intercept) and ``mixprec O1-bf16`` (whose lists keep
-``layer_norm`` in fp32, so each LayerNorm call is intercepted); both ``wrap`` the model with no
-optimizer. One sample is forward + backward (no optimizer step).
+own lists through mixprec) and ``mixprec O1-bf16`` (whose lists keep ``layer_norm`` in fp32,
+so each LayerNorm call is intercepted); both ``wrap`` the model with no optimizer. One more
+contender measures the floor of any design that decides dtypes in Python per op:
+``autocast + empty mode`` is ``autocast`` with a ``TorchFunctionMode`` whose
+``__torch_function__`` only calls the function. One sample is forward + backward (no
+optimizer step).
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from typing import Any
 from benchmarks.runner import Case, Factory, Job, JobResult, Options, compare, setup_torch
 
 GROUP = "64 blocks"
-CONTENDERS = ("fp32", "autocast", "mixprec torch-autocast-cpu", "mixprec O1-bf16")
+CONTENDERS = (
+    "fp32",
+    "autocast",
+    "autocast + empty mode",
+    "mixprec torch-autocast-cpu",
+    "mixprec O1-bf16",
+)
 
 
 def build() -> tuple[Any, Any]:
@@ -52,6 +61,21 @@ def make_step(contender: str) -> Callable[[], None]:
         def step() -> None:
             model.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().square().mean().backward()
+
+    elif contender == "autocast + empty mode":
+        from torch.overrides import TorchFunctionMode
+
+        class EmptyMode(TorchFunctionMode):  # type: ignore[misc]
+            def __torch_function__(
+                self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                return func(*args, **(kwargs or {}))
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16), EmptyMode():
                 out = model(x)
             out.float().square().mean().backward()
 
@@ -102,6 +126,8 @@ CASE = Case(
     method=(
         "One sample = zero_grad, forward, `.float().square().mean()`, backward; no optimizer. "
         "Round-robin in one process. The ratio to autocast is the cost of mixprec's per-op "
-        "dtype decisions over torch's built-in autocast dispatch."
+        "dtype decisions over torch's built-in autocast dispatch; `autocast + empty mode` is "
+        "autocast under a `TorchFunctionMode` that only calls each function (the floor of "
+        "deciding per op in Python)."
     ),
 )
