@@ -148,3 +148,30 @@ def test_optimizer_state_from_another_strategy_is_refused_before_loading() -> No
     with pytest.warns(mixprec.MixprecWarning), pytest.raises(CheckpointError, match="kahan"):
         kahan_opt.load_state_dict(sr_opt.state_dict())
     assert kahan_opt.state_dict()["state"] == before["state"]
+
+
+@pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr"])
+def test_sliced_passes_give_the_bits_of_one_pass(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flat passes run in slices (bounded temporaries); slices that cut through
+    parameters must not change a bit of the weights, the compensation (kahan) or the
+    stochastic rounding's random numbers (sr)."""
+    from mixprec_torch import compensation
+
+    def run() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        net = _net()
+        model, opt = mixprec.torch.wrap(
+            net, torch.optim.AdamW(net.parameters(), lr=1e-2), policy=policy
+        )
+        _train(model, opt, 5)
+        state = opt.state_dict()["mixprec"]["compensation"]
+        return [*state["compensation"], *state["generators"]], model.state_dict()
+
+    whole_comp, whole = run()
+    monkeypatch.setattr(compensation, "_SLICE", 7)  # 7 does not divide any parameter size
+    sliced_comp, sliced = run()
+    for a, b in zip(whole_comp, sliced_comp, strict=True):
+        assert torch.equal(a, b)
+    for key in whole:
+        assert torch.equal(whole[key], sliced[key]), key
