@@ -32,8 +32,8 @@ Checkpoints: ``model.state_dict()`` saves ``w + c`` in float32 (:meth:`Compensat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -49,6 +49,20 @@ _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32
 _SLICE = 1 << 20
 """Elements per slice of a mixed-dtype flat pass: its temporaries stay at 4 MiB, which the
 allocator reuses from step to step instead of mapping fresh pages."""
+
+
+_EAGER_PASS = (
+    "mixprec: the compensated working masters are allocated and freed around the optimizer's "
+    "update, eagerly"
+)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eagerly(fn: _F) -> _F:
+    """``fn`` run eagerly (a graph break) when a compiled function calls it."""
+    return cast(_F, torch.compiler.disable(fn, reason=_EAGER_PASS))
 
 
 def _slices(numel: int) -> list[slice]:
@@ -123,6 +137,11 @@ class Compensation:
 
     # ------------------------------------------------------------------ the step
 
+    # Both passes resize the working masters' storage, which a compiled graph cannot follow
+    # (a compiled fill() wrote through the storage it had seen freed: a segfault). They run
+    # eagerly, one graph break each, in an optimizer step the user compiles; the
+    # optimizer's own update between them still compiles.
+    @_eagerly
     def fill(self) -> None:
         """Allocate the working masters and write ``w + c`` (kahan) or ``w`` into them."""
         with torch.no_grad():
@@ -134,6 +153,7 @@ class Compensation:
                     for part in _slices(flat.numel):
                         work[part].add_(comp[part])
 
+    @_eagerly
     def store(self) -> None:
         """Round the updated working masters into the bfloat16 weights, keep the kahan
         residual (or draw the stochastic rounding), free the working storage."""
