@@ -17,6 +17,10 @@ optimizer unchanged and its update in float32:
   ``torch.Generator`` to the float32 bit patterns and clears their low 16 bits, so the
   foreach copy into bfloat16 is then exact.
 
+Under ``state="bfloat16"`` the optimizer's state of the compensated parameters is kept in
+bfloat16 between steps too (:mod:`.state_rounding`): widened before the update, rounded
+stochastically after it, on the same per-device generators.
+
 Checkpoints: ``model.state_dict()`` saves ``w + c`` in float32 (:meth:`Compensation.best`);
 ``optimizer.state_dict()`` carries the exact compensation and the generator state
 (:meth:`Compensation.state_dict`). Loading the model splits the saved value into ``w, c``
@@ -34,12 +38,10 @@ import torch
 from mixprec.compensated import KAHAN, STOCHASTIC
 from mixprec.errors import CheckpointError
 
+from .state_rounding import StateRounding, round_stochastic_
 from .torch_private import foreach_copy_
 
 __all__ = ["Compensation"]
-
-_LOW_BITS = 1 << 16
-_HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32
 
 
 class _Flat:
@@ -84,10 +86,16 @@ class Compensation:
         parameter; the masters are re-pointed into the flat working buffers here.
     :param strategy: ``"kahan"`` or ``"stochastic"``.
     :param seed: seeds the stochastic rounding's generator on each device.
+    :param state: the policy's ``state``: ``"bfloat16"`` keeps the optimizer's state of
+        these parameters in bfloat16 between steps, None leaves it to the optimizer.
     """
 
     def __init__(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], strategy: str, seed: int = 0
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        strategy: str,
+        seed: int = 0,
+        state: str | None = None,
     ) -> None:
         self.strategy = strategy
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -99,6 +107,12 @@ class Compensation:
             gen = torch.Generator(device=flat.work.device)
             gen.manual_seed(seed)
             self.generators.append(gen)
+        self.state: StateRounding | None = None
+        """Under ``state="bfloat16"``: the optimizer state's flat bfloat16 buffers."""
+        if state is not None:
+            self.state = StateRounding(
+                [(flat.masters, gen) for flat, gen in zip(self.flats, self.generators, strict=True)]
+            )
         self._handled = {id(p) for flat in self.flats for p in flat.params}
         self._comp_of = {  # empty under stochastic, which keeps no compensation
             id(p): c
@@ -110,32 +124,33 @@ class Compensation:
 
     # ------------------------------------------------------------------ the step
 
-    def fill(self) -> None:
-        """Allocate the working masters and write ``w + c`` (kahan) or ``w`` into them."""
+    def fill(self, optimizer: torch.optim.Optimizer) -> None:
+        """Allocate the working masters and write ``w + c`` (kahan) or ``w`` into them;
+        under ``state="bfloat16"`` widen ``optimizer``'s state to float32."""
         with torch.no_grad():
             for flat in self.flats:
                 flat.allocate()
                 foreach_copy_(flat.masters, flat.params)
                 if self.strategy == KAHAN:
                     flat.work.add_(flat.comp)
+        if self.state is not None:
+            self.state.widen(optimizer)
 
-    def store(self) -> None:
+    def store(self, optimizer: torch.optim.Optimizer) -> None:
         """Round the updated working masters into the bfloat16 weights, keep the kahan
-        residual (or draw the stochastic rounding), free the working storage."""
+        residual (or draw the stochastic rounding), free the working storage; under
+        ``state="bfloat16"`` round ``optimizer``'s state stochastically back into bfloat16."""
         with torch.no_grad():
             for flat, gen in zip(self.flats, self.generators, strict=True):
                 if self.strategy == STOCHASTIC:
-                    bits = flat.work.view(torch.int32)
-                    noise = torch.randint(
-                        0, _LOW_BITS, (flat.numel,), generator=gen,
-                        dtype=torch.int32, device=bits.device,
-                    )  # fmt: skip
-                    bits.add_(noise).bitwise_and_(_HIGH_MASK)  # exact in bfloat16 now
+                    round_stochastic_(flat.work, gen)  # exact in bfloat16 now
                 foreach_copy_(flat.params, flat.masters)  # rounds to nearest (exact under sr)
                 if self.strategy == KAHAN:
                     flat.work.sub_(flat.work.to(torch.bfloat16))
                     flat.comp.copy_(flat.work)
                 flat.release()
+        if self.state is not None:
+            self.state.narrow(optimizer)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -199,3 +214,9 @@ class Compensation:
         for gen, state in zip(self.generators, sd["generators"], strict=True):
             gen.set_state(state)
         self._loaded.clear()
+
+    def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.load_state_dict``: under ``state="bfloat16"`` narrow the state
+        torch cast to float32 back into bfloat16 (exact: it holds bfloat16 values)."""
+        if self.state is not None:
+            self.state.adopt(optimizer)

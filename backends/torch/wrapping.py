@@ -144,7 +144,7 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
     if strategy is not None and plan.masters_on:
         # after the cast: the masters still hold the exact float32 values, the params bf16
         pairs = [(p, m) for p, m in masters.copied_pairs() if p.dtype == torch.bfloat16]
-        group.compensation = Compensation(pairs, strategy, seed)
+        group.compensation = Compensation(pairs, strategy, seed, state=policy.state)
     for model, casting, buffers in zip(plan.models, plan.castings, originals, strict=True):
         casting.install(model)
         checkpoint = ModelCheckpoint(model, masters, buffers, group.compensation)
