@@ -5,7 +5,8 @@ regression (MSE) with Adam at a small learning rate (3e-4) for 1,000 steps. Adam
 about the learning rate, far below half the bfloat16 spacing of weights near 0.2–0.5
 (2**-9 to 2**-8), so O3-bf16 rounds most updates away and barely learns, while fp32,
 O2-bf16 (float32 masters) and the compensated presets ``O3-bf16-kahan`` and ``O3-bf16-sr``
-keep them. The figure is the final test MSE (lower is better), mean ± sd over seeds, per
+keep them; on torch both also run with ``state=bfloat16`` (Adam's moments kept in bfloat16
+between steps, rounded stochastically). The figure is the final test MSE (lower is better), mean ± sd over seeds, per
 backend; the NumPy plugin runs its own reference arithmetic (SGD, as its optimizer). The
 digits CNN of case 7 (``benchmarks.accuracy``) runs under the same policies for a few epochs
 (test accuracy, higher is better): a task where plain bfloat16 weights are expected to hold.
@@ -32,7 +33,16 @@ from benchmarks.runner import (
     log,
 )
 
-TORCH_PRESETS = ("fp32", "O2-bf16", "O3-bf16", "O3-bf16-kahan", "O3-bf16-sr")
+TORCH_PRESETS = (
+    "fp32",
+    "O2-bf16",
+    "O3-bf16",
+    "O3-bf16-kahan",
+    "O3-bf16-sr",
+    "O3-bf16-kahan,state=bfloat16",
+    "O3-bf16-sr,state=bfloat16",
+)
+# the NumPy task's SGD has no momentum, so it keeps no state for state=bfloat16 to round
 NUMPY_PRESETS = ("fp32", "O2-bf16", "O3-bf16", "O3-bf16-kahan", "O3-bf16-sr")
 WIDTH, HIDDEN, BATCH = 16, 32, 64
 STEPS, LR = 1000, 3e-4
