@@ -3,8 +3,9 @@
 Case 1's MLP (4 × Linear 2048→2048 + GELU, 16.8 M parameters) takes one training step under
 ``fp32``, ``O2-bf16``, ``O3-bf16``, ``O3-bf16-kahan`` and ``O3-bf16-sr`` (each compensated
 preset also with ``state=bfloat16``: the optimizer state in bfloat16 between steps) with
-Adam or AdamW, then ``optimizer.zero_grad()`` (the default loop's next call). Then the bytes of every tensor
-storage that survives are summed, each storage once however many tensors view it:
+Adam or AdamW, then ``optimizer.zero_grad()`` (the default loop's next call). Then the
+bytes of every tensor storage that survives are summed, each storage once however many
+tensors view it:
 
 - **weights + optimizer state** (issue 14's memory target): the model's parameters and
   buffers, the float32 masters (O2), the compensation buffers (kahan) and every tensor in
