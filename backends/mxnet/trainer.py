@@ -73,6 +73,8 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         and a skipped step puts the net's BatchNorm running statistics back.
     :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``);
         its random stream is saved by ``save_states``, so a resumed run draws the same numbers.
+        A policy with ``state="bfloat16"`` is refused (``WrapError``): MXNet has no bfloat16
+        optimizer kernels, so the optimizer state stays float32.
     :param overrides: policy role overrides, e.g. ``loss_scale="dynamic"``.
     """
 

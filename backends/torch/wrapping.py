@@ -76,8 +76,9 @@ def wrap(
         repeated skipped steps warn (``warn_after``, default 10 in a row). Every step whose
         gradients are non-finite or whose squared norm overflows float32 is skipped, under
         every policy, and a skipped step restores BatchNorm running statistics.
-    :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``);
-        the generator's state is saved with ``optimizer.state_dict()``.
+    :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``)
+        and of ``state=bfloat16``'s optimizer state; the generator's state is saved with
+        ``optimizer.state_dict()``.
     :param keep_dtypes: every parameter and buffer keeps its own dtype (a model with some
         bfloat16 and some float32 parameters stays so): ``policy.param`` and module pins
         cast nothing and inputs are not cast at the boundary; op casting (O1) still runs,
