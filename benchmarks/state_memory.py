@@ -1,13 +1,16 @@
 """Case 10 — what a policy keeps between steps: weights and optimizer state (issue 14).
 
 Case 1's MLP (4 × Linear 2048→2048 + GELU, 16.8 M parameters) takes one training step under
-``fp32``, ``O2-bf16``, ``O3-bf16``, ``O3-bf16-kahan`` and ``O3-bf16-sr`` with Adam or AdamW,
-then ``optimizer.zero_grad()`` (the default loop's next call). Then the bytes of every tensor
-storage that survives are summed, each storage once however many tensors view it:
+``fp32``, ``O2-bf16``, ``O3-bf16``, ``O3-bf16-kahan`` and ``O3-bf16-sr`` (each compensated
+preset also with ``state=bfloat16``: the optimizer state in bfloat16 between steps) with
+Adam or AdamW, then ``optimizer.zero_grad()`` (the default loop's next call). Then the
+bytes of every tensor storage that survives are summed, each storage once however many
+tensors view it:
 
 - **weights + optimizer state** (issue 14's memory target): the model's parameters and
   buffers, the float32 masters (O2), the compensation buffers (kahan) and every tensor in
-  ``optimizer.state``. A compensated preset's float32 working masters exist only inside
+  ``optimizer.state`` (under ``state=bfloat16`` views of one flat bfloat16 buffer, counted
+  once). A compensated preset's float32 working masters exist only inside
   ``step()`` (their storage is empty between steps) and count what they hold then: nothing.
 - **gradients kept after zero_grad()**: what ``zero_grad()`` leaves allocated — the model's
   gradients (None) and, under O2, the float32 master-gradient memory kept for the next step.
@@ -40,8 +43,10 @@ from benchmarks.runner import (
 )
 from benchmarks.torch_step import build
 
-POLICIES = ("fp32", "O2-bf16", "O3-bf16", "O3-bf16-kahan", "O3-bf16-sr")
-STEP_POLICIES = ("O2-bf16", "O3-bf16", "O3-bf16-kahan", "O3-bf16-sr")
+KAHAN_STATE = "O3-bf16-kahan,state=bfloat16"
+SR_STATE = "O3-bf16-sr,state=bfloat16"
+POLICIES = ("fp32", "O2-bf16", "O3-bf16", "O3-bf16-kahan", "O3-bf16-sr", KAHAN_STATE, SR_STATE)
+STEP_POLICIES = ("O2-bf16", "O3-bf16", "O3-bf16-kahan", "O3-bf16-sr", KAHAN_STATE, SR_STATE)
 OPTIMIZERS = ("AdamW", "Adam")
 BATCH = 8
 KEPT = "weights + optimizer state"

@@ -74,7 +74,7 @@ TARGETS: tuple[Target, ...] = (
                f"weights + optimizer state of {p} ≤ 0.75 × O2-bf16's, AdamW, MLP",
                "state_memory", "AdamW", "ratio", (p,), 0.75, "O2-bf16",
                "weights + optimizer state")
-        for p in ("O3-bf16-kahan", "O3-bf16-sr")
+        for p in ("O3-bf16-kahan", "O3-bf16-sr", "O3-bf16-kahan,state=bfloat16")
     ),
     Target("import", "`import mixprec` < 100 ms",
            "startup", "import", "value", ("import mixprec",), 100.0),

@@ -40,6 +40,8 @@ def describe_policy(name: str, policy: Policy, *, lists: bool = True) -> str:
     lines.append(f"  loss_scale={format_loss_scale(policy.loss_scale)}")
     if policy.master_strategy is not None:
         lines.append(f"  master   {policy.describe_master()}")
+    if policy.state is not None:
+        lines.append(f"  state    {policy.describe_state()}")
     if lists:
         for list_name in _LISTS:
             ops = sorted(getattr(policy.ops, list_name))

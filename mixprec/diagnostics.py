@@ -45,7 +45,8 @@ class ModuleDtypes:
     ``compute`` the dtype its ops run in unless op rules say otherwise, and ``rule`` why:
     ``"pinned by class rule *BatchNorm*"``, ``"inherited from 'encoder'"``,
     ``"policy param=float16"`` (``"policy param=bfloat16, master=kahan"`` under a
-    compensated strategy), or a backend's own reason.
+    compensated strategy, with ``", state=bfloat16"`` when the optimizer state is kept in
+    bfloat16), or a backend's own reason.
     """
 
     path: str
@@ -116,7 +117,8 @@ def dtype_rows(
 def _policy_reason(policy: Policy) -> str:
     # a compensated strategy changes what the params hold, so the report says so
     if policy.master_strategy is not None:
-        return f"policy param={policy.param}, master={policy.master_strategy}"
+        state = "" if policy.state is None else f", state={policy.state}"
+        return f"policy param={policy.param}, master={policy.master_strategy}{state}"
     return f"policy param={policy.param}"
 
 

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
-from mixprec.compensated import MASTER_STRATEGIES, check_strategy, describe_strategy, is_strategy
+from mixprec.compensated import (
+    MASTER_STRATEGIES,
+    check_state,
+    check_strategy,
+    describe_state,
+    describe_strategy,
+    is_strategy,
+)
 from mixprec.decision import Decision, consult, pinned_dtype, winner
 from mixprec.decision import explain as explain_chain
 from mixprec.dtypes import POLICY_DTYPES, canonical_dtype, holds
@@ -83,6 +90,9 @@ class Policy:
       compensated bfloat16 strategy, ``"kahan"`` or ``"stochastic"``
       (:mod:`mixprec.compensated`), which keeps no float32 copy;
     - ``reduce``: dtype of gradient communication;
+    - ``state``: None (the optimizer's state as it allocates it), or ``"bfloat16"``: under
+      a compensated ``master`` the optimizer's per-parameter state is kept in bfloat16
+      between steps, rounded stochastically (:mod:`mixprec.compensated`);
     - ``loss_scale``: :class:`~mixprec.NoScale`, :class:`~mixprec.StaticScale` or
       :class:`~mixprec.DynamicScale` (its configuration only: it is stored reset);
     - ``ops``: the global :class:`OpRules`; ``modules``: the :class:`ModuleRule` s;
@@ -90,7 +100,8 @@ class Policy:
 
     :raises PolicyError: an unknown dtype, a master copy that is pointless (same dtype as
         ``param``) or narrower than ``param``, a compensated strategy without bfloat16
-        params, or two module rules for the same pattern.
+        params, a ``state`` without a compensated strategy, or two module rules for the
+        same pattern.
     """
 
     param: str
@@ -102,6 +113,7 @@ class Policy:
     ops: OpRules
     modules: tuple[ModuleRule, ...]
     name: str | None = field(default=None, compare=False)
+    state: str | None = None
     _decisions: dict[tuple[Any, ...], Decision] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -131,6 +143,7 @@ class Policy:
                     f"hold every param value exactly. Use master='float32'"
                 )
         set_(self, "master", master)
+        set_(self, "state", check_state(self.state, master))
         if not isinstance(self.loss_scale, NoScale | StaticScale | DynamicScale):
             raise PolicyError(
                 f"loss_scale must be NoScale(), StaticScale(s) or DynamicScale(...), got "
@@ -270,6 +283,10 @@ class Policy:
         """One line saying how the weights are kept: master copies, a strategy, or none."""
         return describe_strategy(self.master)
 
+    def describe_state(self) -> str:
+        """One line saying how the optimizer state is kept between steps."""
+        return describe_state(self.state)
+
     @property
     def is_resolved(self) -> bool:
         """False while ``compute`` is ``"auto"`` (see :func:`mixprec.resolve_auto`)."""
@@ -291,6 +308,7 @@ class Policy:
             output=self.output,
             master=self.master,
             reduce=self.reduce,
+            state=self.state,
             loss_scale=self.loss_scale.state_dict(),
             ops=self.ops.lists(),
             modules=[rule.to_dict() for rule in self.modules],

@@ -104,7 +104,7 @@ ALIASES: dict[str, str] = {
 }
 _BY_LOWER = {name.lower(): name for name in (*BUILTIN_PRESETS, *ALIASES)}
 #: The roles that name a dtype, in the order they are printed.
-DTYPE_ROLES: tuple[str, ...] = ("param", "compute", "output", "master", "reduce")
+DTYPE_ROLES: tuple[str, ...] = ("param", "compute", "output", "master", "reduce", "state")
 #: Every role field a spec or an override may set (``params`` is accepted for ``param``).
 ROLE_FIELDS: tuple[str, ...] = (*DTYPE_ROLES, "loss_scale")
 _BATCHNORM = ModuleRule("class", "*BatchNorm*", FLOAT32)
@@ -259,7 +259,9 @@ def derive(base: Policy, overrides: Mapping[str, Any]) -> Policy:
     if "compute" in given:
         fields.update(_follow_compute(base, given["compute"]))
     fields.update(
-        (role, given[role]) for role in ("param", "output", "master", "reduce") if role in given
+        (role, given[role])
+        for role in ("param", "output", "master", "reduce", "state")
+        if role in given
     )
     if "loss_scale" in given:
         return Policy(**{**fields, "loss_scale": loss_scale_from_value(given["loss_scale"])})
@@ -334,7 +336,7 @@ def _format_from(policy: Policy, base_name: str) -> str:
     if policy.compute != base.compute:
         over["compute"] = policy.compute
     start = derive(base, over)
-    for role in ("param", "output", "master", "reduce"):
+    for role in ("param", "output", "master", "reduce", "state"):
         if getattr(policy, role) != getattr(start, role):
             over[role] = getattr(policy, role)
     start = derive(base, over)

@@ -14,7 +14,8 @@ Items apply in three phases, whatever order they are written in:
 1. ``base`` (or a bare preset name as the first item) picks the starting preset, ``auto``
    if absent;
 2. the role fields ``param``/``params``, ``compute``, ``output``, ``master`` (``none``
-   for no masters), ``reduce`` and ``loss_scale`` apply together, as
+   for no masters), ``reduce``, ``state`` (``bfloat16`` keeps the optimizer state in
+   bfloat16 under a compensated master) and ``loss_scale`` apply together, as
    :func:`mixprec.presets.derive` does (it says what a changed compute re-derives);
 3. op and module edits apply in the order written: ``fp32+=softmax|exp`` moves ops into a
    list, ``fp32=softmax|exp`` sets the list to exactly those ops;
@@ -148,6 +149,7 @@ def policy_to_toml(policy: Policy) -> str:
     """A complete TOML document for ``policy`` (:func:`mixprec.load_toml` reads it back)."""
     data = policy.to_dict()
     data["master"] = data["master"] or "none"  # TOML has no null
+    data["state"] = data["state"] or "none"
     data["modules"] = [
         {key: value for key, value in rule.items() if value not in (None, {})}
         for rule in data["modules"]
@@ -304,8 +306,8 @@ def get_policy(spec: PolicySpec = "auto", **overrides: Any) -> Policy:
         :class:`Policy`, or a mapping in :meth:`Policy.to_dict` form (partial ones build on
         ``"base"``). None means ``"auto"``.
     :param overrides: ``param`` (or ``params``), ``compute``, ``output``, ``master``,
-        ``reduce``, ``loss_scale``; :mod:`mixprec.presets` says what a changed compute
-        re-derives.
+        ``reduce``, ``state``, ``loss_scale``; :mod:`mixprec.presets` says what a changed
+        compute re-derives.
     :raises PolicyError: an unknown preset, key, dtype or op, or a contradictory policy.
     """
     if spec is None:

@@ -29,6 +29,12 @@ def test_kahan_keeps_the_small_updates_that_plain_bf16_weights_round_away() -> N
     assert plain > 1.1 * kahan
 
 
+def test_bfloat16_optimizer_state_keeps_kahans_accuracy() -> None:
+    fp32 = compensated.train_torch("fp32", 0, 150)
+    kahan_state = compensated.train_torch("O3-bf16-kahan,state=bfloat16", 0, 150)
+    assert kahan_state == pytest.approx(fp32, rel=0.05)
+
+
 def test_quick_run_reports_every_policy_with_its_metric() -> None:
     result = compensated.run_numpy(Options(quick=True, seeds=2))
     by_preset = {m.contender: m for m in result.measurements}

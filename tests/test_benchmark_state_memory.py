@@ -28,7 +28,8 @@ def test_storage_bytes_counts_each_storage_once_and_empty_ones_not_at_all() -> N
 @pytest.mark.parametrize(
     ("policy", "per_param", "grads_per_param"),
     [("fp32", 12, 0), ("O2-bf16", 14, 4), ("O3-bf16", 6, 0),
-     ("O3-bf16-kahan", 12, 0), ("O3-bf16-sr", 10, 0)],
+     ("O3-bf16-kahan", 12, 0), ("O3-bf16-sr", 10, 0),
+     ("O3-bf16-kahan,state=bfloat16", 8, 0), ("O3-bf16-sr,state=bfloat16", 6, 0)],
 )  # fmt: skip
 def test_bytes_kept_between_steps_per_parameter(
     policy: str, per_param: int, grads_per_param: int

@@ -21,6 +21,7 @@ returns is used by the very next ``scale_loss``. For clipping: ``allreduce_grads
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -72,6 +73,8 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         and a skipped step puts the net's BatchNorm running statistics back.
     :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``);
         its random stream is saved by ``save_states``, so a resumed run draws the same numbers.
+        A policy with ``state="bfloat16"`` is refused (``WrapError``): MXNet has no bfloat16
+        optimizer kernels, so the optimizer state stays float32.
     :param overrides: policy role overrides, e.g. ``loss_scale="dynamic"``.
     """
 
@@ -106,6 +109,7 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         contexts = values[0].list_ctx()
         self.policy: Policy = resolve_policy(policy, contexts, **overrides)
         """The resolved policy this trainer runs (saved with its states)."""
+        _check_state(self.policy)
         self.device = device_key(contexts[0])
         check_unclaimed(values)  # after the policy: a policy this device cannot run is named first
         for info in blocks_of(net) if net is not None else ():
@@ -274,6 +278,23 @@ def _check_seed(seed: Any) -> int:
             f"{seed!r}; pass e.g. seed=0"
         )
     return seed
+
+
+def _check_state(policy: Policy) -> None:
+    """Refuse ``state=bfloat16``: MXNet has no bfloat16 optimizer kernels and the Trainer
+    keeps float32 working copies between steps anyway, so it would save nothing here."""
+    if policy.state is not None:
+        raise WrapError(
+            f"policy {policy.label} keeps the optimizer state in {policy.state} between steps "
+            "(state=bfloat16), which the Gluon Trainer does not support: MXNet's optimizers "
+            "have no bfloat16 kernels and keep their state beside the float32 working "
+            f"copies the Trainer holds between steps. Drop the item (policy="
+            f"'{_without_state(policy)!s}') or use the torch backend for bfloat16 state"
+        )
+
+
+def _without_state(policy: Policy) -> Policy:
+    return dataclasses.replace(policy, state=None, name=None)
 
 
 def _check_parameters(values: Sequence[Any], given: str) -> None:

@@ -14,14 +14,18 @@ optimizer unchanged and its update in float32:
   for float32 params;
 - every pass is one foreach call per device or a flat tensor op, never a Python loop over
   parameters. The two passes that mix float32 and bfloat16 operands (adding the compensation,
-  taking the rounding residual) run over the flat buffers in slices of ``_SLICE`` elements:
+  taking the rounding residual) run over the flat buffers in slices
+  (:func:`~.state_rounding.flat_slices`):
   a mixed-dtype elementwise op converts its bfloat16 operand into a temporary of the whole
   operand's size, and at model size that temporary is fresh memory every step (16.8 M
   parameters: 41 k page faults and 120 ms per step here; sliced: none and 19 ms).
-  Stochastic rounding adds uniform 16-bit noise drawn from a seeded ``torch.Generator`` to
-  the float32 bit patterns and clears their low 16 bits, so the foreach copy into bfloat16
-  is then exact; the noise is drawn slice by slice too (the same numbers as one draw: the
-  CPU generator yields its stream in order).
+  Stochastic rounding (:func:`~.state_rounding.round_stochastic_`) adds uniform 16-bit
+  noise drawn from a seeded ``torch.Generator`` to the float32 bit patterns and clears their
+  low 16 bits, so the foreach copy into bfloat16 is then exact; it draws slice by slice too.
+
+Under ``state="bfloat16"`` the optimizer's state of the compensated parameters is kept in
+bfloat16 between steps too (:mod:`.state_rounding`): widened before the update, rounded
+stochastically after it, on the same per-device generators.
 
 Checkpoints: ``model.state_dict()`` saves ``w + c`` in float32 (:meth:`Compensation.best`);
 ``optimizer.state_dict()`` carries the exact compensation and the generator state
@@ -40,16 +44,10 @@ import torch
 from mixprec.compensated import KAHAN, STOCHASTIC
 from mixprec.errors import CheckpointError
 
+from .state_rounding import StateRounding, flat_slices, round_stochastic_
 from .torch_private import foreach_copy_
 
 __all__ = ["Compensation"]
-
-_LOW_BITS = 1 << 16
-_HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32
-_SLICE = 1 << 20
-"""Elements per slice of a mixed-dtype flat pass: its temporaries stay at 4 MiB, which the
-allocator reuses from step to step instead of mapping fresh pages."""
-
 
 _EAGER_PASS = (
     "mixprec: the compensated working masters are allocated and freed around the optimizer's "
@@ -63,10 +61,6 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def _eagerly(fn: _F) -> _F:
     """``fn`` run eagerly (a graph break) when a compiled function calls it."""
     return cast(_F, torch.compiler.disable(fn, reason=_EAGER_PASS))
-
-
-def _slices(numel: int) -> list[slice]:
-    return [slice(start, start + _SLICE) for start in range(0, numel, _SLICE)]
 
 
 class _Flat:
@@ -111,10 +105,16 @@ class Compensation:
         parameter; the masters are re-pointed into the flat working buffers here.
     :param strategy: ``"kahan"`` or ``"stochastic"``.
     :param seed: seeds the stochastic rounding's generator on each device.
+    :param state: the policy's ``state``: ``"bfloat16"`` keeps the optimizer's state of
+        these parameters in bfloat16 between steps, None leaves it to the optimizer.
     """
 
     def __init__(
-        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], strategy: str, seed: int = 0
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        strategy: str,
+        seed: int = 0,
+        state: str | None = None,
     ) -> None:
         self.strategy = strategy
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -126,6 +126,12 @@ class Compensation:
             gen = torch.Generator(device=flat.work.device)
             gen.manual_seed(seed)
             self.generators.append(gen)
+        self.state: StateRounding | None = None
+        """Under ``state="bfloat16"``: the optimizer state's flat bfloat16 buffers."""
+        if state is not None:
+            self.state = StateRounding(
+                [(flat.masters, gen) for flat, gen in zip(self.flats, self.generators, strict=True)]
+            )
         self._handled = {id(p) for flat in self.flats for p in flat.params}
         self._comp_of = {  # empty under stochastic, which keeps no compensation
             id(p): c
@@ -137,43 +143,43 @@ class Compensation:
 
     # ------------------------------------------------------------------ the step
 
-    # Both passes resize the working masters' storage, which a compiled graph cannot follow
-    # (a compiled fill() wrote through the storage it had seen freed: a segfault). They run
-    # eagerly, one graph break each, in an optimizer step the user compiles; the
-    # optimizer's own update between them still compiles.
+    # Both passes resize the working masters' storage (and the bfloat16 state's), which a
+    # compiled graph cannot follow (a compiled fill() wrote through the storage it had seen
+    # freed: a segfault). They run eagerly, one graph break each, in an optimizer step the
+    # user compiles; the optimizer's own update between them still compiles.
     @_eagerly
-    def fill(self) -> None:
-        """Allocate the working masters and write ``w + c`` (kahan) or ``w`` into them."""
+    def fill(self, optimizer: torch.optim.Optimizer) -> None:
+        """Allocate the working masters and write ``w + c`` (kahan) or ``w`` into them;
+        under ``state="bfloat16"`` widen ``optimizer``'s state to float32."""
         with torch.no_grad():
             for flat in self.flats:
                 flat.allocate()
                 foreach_copy_(flat.masters, flat.params)
                 if self.strategy == KAHAN:
                     work, comp = flat.work, flat.comp
-                    for part in _slices(flat.numel):
+                    for part in flat_slices(flat.numel):
                         work[part].add_(comp[part])
+        if self.state is not None:
+            self.state.widen(optimizer)
 
     @_eagerly
-    def store(self) -> None:
+    def store(self, optimizer: torch.optim.Optimizer) -> None:
         """Round the updated working masters into the bfloat16 weights, keep the kahan
-        residual (or draw the stochastic rounding), free the working storage."""
+        residual (or draw the stochastic rounding), free the working storage; under
+        ``state="bfloat16"`` round ``optimizer``'s state stochastically back into bfloat16."""
         with torch.no_grad():
             for flat, gen in zip(self.flats, self.generators, strict=True):
                 if self.strategy == STOCHASTIC:
-                    for part in _slices(flat.numel):  # the generator's stream, slice by slice
-                        bits = flat.work[part].view(torch.int32)
-                        noise = torch.randint(
-                            0, _LOW_BITS, (bits.numel(),), generator=gen,
-                            dtype=torch.int32, device=bits.device,
-                        )  # fmt: skip
-                        bits.add_(noise).bitwise_and_(_HIGH_MASK)  # exact in bfloat16 now
+                    round_stochastic_(flat.work, gen)  # exact in bfloat16 now
                 foreach_copy_(flat.params, flat.masters)  # rounds to nearest (exact under sr)
                 if self.strategy == KAHAN:
-                    for part in _slices(flat.numel):
+                    for part in flat_slices(flat.numel):
                         work = flat.work[part]
                         work.sub_(work.to(torch.bfloat16))  # the rounding residual
                     flat.comp.copy_(flat.work)
                 flat.release()
+        if self.state is not None:
+            self.state.narrow(optimizer)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -237,3 +243,9 @@ class Compensation:
         for gen, state in zip(self.generators, sd["generators"], strict=True):
             gen.set_state(state)
         self._loaded.clear()
+
+    def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.load_state_dict``: under ``state="bfloat16"`` narrow the state
+        torch cast to float32 back into bfloat16 (exact: it holds bfloat16 values)."""
+        if self.state is not None:
+            self.state.adopt(optimizer)

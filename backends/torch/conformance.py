@@ -48,6 +48,7 @@ class TorchAdapter:
     name = "torch"
     device = "cpu"
     master_strategies = ("kahan", "stochastic")
+    state_dtypes = ("bfloat16",)
 
     def __init__(self) -> None:
         self._castings: dict[Policy, OpCasting] = {}

@@ -287,13 +287,13 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
                 refresh_edited_masters(st, params, masters)
                 take_grad_edits(st, params, masters)
             else:
-                compensation.fill()  # float32 working masters: w + c (kahan) or w
+                compensation.fill(self)  # float32 working masters: w + c (kahan) or w
             if closure is None:
                 base_class(self).step(self)
             else:
                 base_class(self).step(self, _reevaluating(st, self, closure, loss))  # type: ignore[call-arg]
             if compensation is not None:
-                compensation.store()  # back into bfloat16 params, the residual or noise kept
+                compensation.store(self)  # back into bfloat16 params, the residual or noise kept
             else:
                 copy_masters_to_model(st, self)
     finally:

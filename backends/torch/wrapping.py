@@ -76,8 +76,9 @@ def wrap(
         repeated skipped steps warn (``warn_after``, default 10 in a row). Every step whose
         gradients are non-finite or whose squared norm overflows float32 is skipped, under
         every policy, and a skipped step restores BatchNorm running statistics.
-    :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``);
-        the generator's state is saved with ``optimizer.state_dict()``.
+    :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``)
+        and of ``state=bfloat16``'s optimizer state; the generator's state is saved with
+        ``optimizer.state_dict()``.
     :param keep_dtypes: every parameter and buffer keeps its own dtype (a model with some
         bfloat16 and some float32 parameters stays so): ``policy.param`` and module pins
         cast nothing and inputs are not cast at the boundary; op casting (O1) still runs,
@@ -144,7 +145,7 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
     if strategy is not None and plan.masters_on:
         # after the cast: the masters still hold the exact float32 values, the params bf16
         pairs = [(p, m) for p, m in masters.copied_pairs() if p.dtype == torch.bfloat16]
-        group.compensation = Compensation(pairs, strategy, seed)
+        group.compensation = Compensation(pairs, strategy, seed, state=policy.state)
     for model, casting, buffers in zip(plan.models, plan.castings, originals, strict=True):
         casting.install(model)
         checkpoint = ModelCheckpoint(model, masters, buffers, group.compensation)

@@ -75,6 +75,7 @@ _EDITS: dict[str, list[str]] = {
 
 _TRAINER_PRESETS = ("O0", "O1", "O2", "O3", "O1-bf16", "O2-bf16", "O3-bf16")
 _STRATEGY_PRESETS = ("O3-bf16-kahan", "O3-bf16-sr")
+_STATE_POLICIES = ("O3-bf16-kahan,state=bfloat16", "O3-bf16-sr,state=bfloat16")
 _OP_POLICIES = (*_TRAINER_PRESETS, "O1+edits", "O1-bf16+edits", "O2+edits")
 
 
@@ -145,6 +146,12 @@ class BackendUnderTest:
         """The compensated master-weight strategies the adapter runs (its optional
         ``master_strategies``; none by default)."""
         return set(getattr(self.adapter, "master_strategies", ()))
+
+    @property
+    def state_dtypes(self) -> set[str]:
+        """The dtypes the adapter keeps optimizer state in between steps under a strategy
+        (its optional ``state_dtypes``; none by default)."""
+        return set(getattr(self.adapter, "state_dtypes", ()))
 
     def fp32_islands(self, dtype: str) -> set[str]:
         """Op families the adapter runs as float32 islands where a rule says ``dtype``
@@ -243,9 +250,35 @@ def strategy_cases(backend: BackendUnderTest) -> list[Case]:
     ]
 
 
+def state_cases(backend: BackendUnderTest) -> list[Case]:
+    """The compensated presets with ``state=bfloat16`` (the optimizer state rounded
+    stochastically into bfloat16 between steps), where the adapter declares the strategy
+    in ``master_strategies`` and ``"bfloat16"`` in its optional ``state_dtypes``."""
+    return [
+        (name, (name,))
+        for name in _STATE_POLICIES
+        if backend.runs(name)
+        and policy(name).master_strategy in backend.master_strategies
+        and policy(name).state in backend.state_dtypes
+    ]
+
+
+def refused_state_cases(backend: BackendUnderTest) -> list[Case]:
+    """The ``state=bfloat16`` policies of a strategy the adapter runs but whose state dtype
+    it does not declare: the backend must refuse them."""
+    return [
+        (name, (name,))
+        for name in _STATE_POLICIES
+        if backend.runs(name)
+        and policy(name).master_strategy in backend.master_strategies
+        and policy(name).state not in backend.state_dtypes
+    ]
+
+
 def trainer_cases(backend: BackendUnderTest) -> list[Case]:
-    """Every preset the backend trains: the classic ones, then the compensated ones."""
-    return classic_trainer_cases(backend) + strategy_cases(backend)
+    """Every preset the backend trains: the classic ones, then the compensated ones (with
+    the optimizer's own state, then with bfloat16 state)."""
+    return classic_trainer_cases(backend) + strategy_cases(backend) + state_cases(backend)
 
 
 def trace_cases(backend: BackendUnderTest) -> list[Case]:

@@ -94,6 +94,13 @@ class ConformanceAdapter(Protocol):
         checks their arithmetic (default: none). Under a strategy the trainer's
         ``master_params()`` reports the best float32 value it knows: ``w + c`` under kahan,
         the bfloat16 weight under stochastic.
+
+    ``state_dtypes: Collection[str]``
+        the dtypes (``"bfloat16"``) the backend keeps the optimizer state in between steps
+        under a strategy (the policy item ``state``); the suite then trains
+        ``O3-bf16-kahan,state=bfloat16`` / ``O3-bf16-sr,state=bfloat16`` through every
+        trainer test and checks that ``optimizer_state()`` stays on the bfloat16 grid and
+        still moves (default: none, and such a backend must refuse ``state``).
     """
 
     name: str

@@ -24,7 +24,9 @@ from mixprec.testing.cases import (
     no_cases,
     op_cases,
     policy,
+    refused_state_cases,
     saved_dtype_cases,
+    state_cases,
     strategy_cases,
     trace_cases,
     trainer_cases,
@@ -258,6 +260,31 @@ def test_compensated_weights_round_to_the_params(
         )
         off_grid += rounded != values
     assert off_grid, "weight + compensation is on the bfloat16 grid: no compensation kept"
+
+
+@cases(state_cases, ("policy_name",))
+def test_bfloat16_state_stays_on_the_grid(backend: BackendUnderTest, policy_name: str) -> None:
+    """Under ``state=bfloat16`` every optimizer state value is a bfloat16 value between
+    steps, and the state still moves step after step: the update runs in float32 and is
+    rounded stochastically, not to nearest (:mod:`mixprec.compensated`)."""
+    trainer = _trainer(backend, policy_name)
+    for _ in range(3):
+        trainer.step()
+    before = trainer.optimizer_state()
+    assert before, "optimizer_state() is empty: use a stateful optimizer (momentum, Adam)"
+    for name, values in before.items():
+        on_grid = [round_to("bfloat16", v) for v in values]
+        assert not _differences({name: on_grid}, {name: values}), f"{name}: not bfloat16"
+    trainer.step()
+    assert _differences(before, trainer.optimizer_state()), "a step left the state as it was"
+
+
+@cases(refused_state_cases, ("policy_name",))
+def test_unsupported_state_dtype_is_refused(backend: BackendUnderTest, policy_name: str) -> None:
+    """A backend that does not declare ``"bfloat16"`` in ``state_dtypes`` refuses
+    ``state=bfloat16`` with a MixprecError instead of silently keeping float32 state."""
+    with pytest.raises(MixprecError):
+        _trainer(backend, policy_name)
 
 
 @cases(trainer_cases, ("policy_name",))

@@ -255,6 +255,11 @@ REFUSALS: dict[str, tuple[Callable[[], object], type[Exception], str]] = {
         PolicyError,
         "O3-bf16-sr",
     ),
+    "bfloat16 optimizer state": (
+        lambda: Trainer(mlp(), "adam", policy="O3-bf16-kahan,state=bfloat16"),
+        WrapError,
+        "policy='O3-bf16-kahan'",
+    ),
     "bad seed": (
         lambda: Trainer(mlp(), "sgd", policy="O3-bf16-sr", seed=-1),
         WrapError,
@@ -277,6 +282,14 @@ def test_refused_strategy_leaves_the_net_as_it_was() -> None:
         Trainer(net, "sgd", policy="O3-bf16-kahan", param="float16")
     assert {np.dtype(p.dtype) for p in net.collect_params().values()} == {np.dtype(np.float32)}
     Trainer(net, "sgd", policy="O3-bf16-kahan")  # still free to be trained
+
+
+def test_refused_bfloat16_state_leaves_the_net_as_it_was() -> None:
+    net = mlp()
+    with pytest.raises(WrapError, match="no bfloat16 kernels"):
+        Trainer(net, "adam", policy="O3-bf16-sr", state="bfloat16")
+    assert {np.dtype(p.dtype) for p in net.collect_params().values()} == {np.dtype(np.float32)}
+    Trainer(net, "adam", policy="O3-bf16-sr")  # still free to be trained
 
 
 def test_states_without_the_compensation_are_refused_before_anything_changes(

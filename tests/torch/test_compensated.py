@@ -150,28 +150,29 @@ def test_optimizer_state_from_another_strategy_is_refused_before_loading() -> No
     assert kahan_opt.state_dict()["state"] == before["state"]
 
 
-@pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr"])
+@pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr", "O3-bf16-kahan,state=bfloat16"])
 def test_sliced_passes_give_the_bits_of_one_pass(
     policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The flat passes run in slices (bounded temporaries); slices that cut through
-    parameters must not change a bit of the weights, the compensation (kahan) or the
-    stochastic rounding's random numbers (sr)."""
-    from mixprec_torch import compensation
+    parameters must not change a bit of the weights, the compensation (kahan), the
+    optimizer state or the stochastic rounding's random numbers (sr, bfloat16 state)."""
+    from mixprec_torch import state_rounding
 
-    def run() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    def run() -> list[torch.Tensor]:
         net = _net()
         model, opt = mixprec.torch.wrap(
             net, torch.optim.AdamW(net.parameters(), lr=1e-2), policy=policy
         )
         _train(model, opt, 5)
-        state = opt.state_dict()["mixprec"]["compensation"]
-        return [*state["compensation"], *state["generators"]], model.state_dict()
+        sd = opt.state_dict()
+        kept = sd["mixprec"]["compensation"]
+        moments = [v for s in sd["state"].values() for k, v in s.items() if k != "step"]
+        return [*kept["compensation"], *kept["generators"], *moments, *model.state_dict().values()]
 
-    whole_comp, whole = run()
-    monkeypatch.setattr(compensation, "_SLICE", 7)  # 7 does not divide any parameter size
-    sliced_comp, sliced = run()
-    for a, b in zip(whole_comp, sliced_comp, strict=True):
-        assert torch.equal(a, b)
-    for key in whole:
-        assert torch.equal(whole[key], sliced[key]), key
+    whole = run()
+    monkeypatch.setattr(state_rounding, "_SLICE", 7)  # 7 does not divide any parameter size
+    sliced = run()
+    assert len(whole) == len(sliced)
+    for a, b in zip(whole, sliced, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -84,7 +84,7 @@ def _same_training(policy: str, backend: str) -> None:
     assert any(not torch.equal(compiled[k].float(), moved[k].float()) for k in moved)
 
 
-@pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr"])
+@pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr", "O3-bf16-sr,state=bfloat16"])
 def test_compiled_step_of_a_compensated_preset_matches_eager(policy: str) -> None:
     _same_training(policy, "inductor")
 

@@ -9,7 +9,12 @@ import pytest
 
 from mixprec_numpy import MLP, SGD, Trainer
 from mixprec_numpy.casting import round_to_bfloat16
-from mixprec_numpy.compensation import Compensation, kahan_split, round_stochastic_to_bfloat16
+from mixprec_numpy.compensation import (
+    Compensation,
+    kahan_split,
+    round_state,
+    round_stochastic_to_bfloat16,
+)
 from mixprec_numpy.layers import Parameter
 
 X = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
@@ -62,7 +67,10 @@ def _train(trainer: Trainer, model: MLP, steps: int) -> None:
         trainer.step()
 
 
-@pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr"])
+@pytest.mark.parametrize(
+    "policy",
+    ["O3-bf16-kahan", "O3-bf16-sr", "O3-bf16-kahan,state=bfloat16", "O3-bf16-sr,state=bfloat16"],
+)
 def test_resume_repeats_the_trajectory_bit_for_bit(policy: str) -> None:
     model = MLP([4, 8, 3])
     trainer = Trainer(model, SGD(lr=0.05, momentum=0.9), policy=policy, seed=7)
@@ -84,6 +92,46 @@ def test_resume_repeats_the_trajectory_bit_for_bit(policy: str) -> None:
             np.testing.assert_array_equal(
                 trainer.compensation.buffers[a.name], resumed.compensation.buffers[b.name]
             )
+    for name, value in trainer.optimizer.state.items():
+        np.testing.assert_array_equal(value, resumed.optimizer.state[name])
+
+
+@pytest.mark.parametrize("policy", ["O3-bf16-kahan,state=bfloat16", "O3-bf16-sr,state=bfloat16"])
+def test_bfloat16_state_stays_on_the_grid_and_still_trains(policy: str) -> None:
+    model = MLP([4, 8, 3])
+    trainer = Trainer(model, SGD(lr=0.05, momentum=0.9), policy=policy, seed=7)
+    first = model.loss(X, Y)
+    _train(trainer, model, 10)
+    assert model.loss(X, Y) < first
+    state = trainer.optimizer.state
+    assert state and all(np.array_equal(v, round_to_bfloat16(v)) for v in state.values())
+    plain = Trainer(MLP([4, 8, 3]), SGD(lr=0.05, momentum=0.9), policy=policy.split(",")[0])
+    _train(plain, plain.model, 10)
+    assert not all(np.array_equal(v, round_to_bfloat16(v)) for v in plain.optimizer.state.values())
+
+
+def _momentum_after(rounding: str, steps: int = 3000) -> float:
+    """An exponential average ``s = 0.999 s + 0.001 g`` from 0.25 towards ``g = 1`` (the
+    shape of Adam's second moment), its state stored with ``rounding`` after each step."""
+    param = Parameter("w", np.zeros(4096, np.float32), "bfloat16")
+    rng = np.random.default_rng(5)
+    s = np.full(4096, 0.25, np.float32)
+    for _ in range(steps):
+        s = np.float32(0.999) * s + np.float32(0.001) * np.float32(1.0)
+        if rounding == "nearest":
+            s = round_to_bfloat16(s)
+        elif rounding == "stochastic":
+            state = {"w": s}
+            round_state(state, [param], rng)
+            s = state["w"]
+    return float(s.mean())
+
+
+def test_stochastic_state_rounding_follows_float32_where_nearest_stalls() -> None:
+    exact = _momentum_after("none")
+    assert _momentum_after("nearest") == 0.25  # each step moves s by less than half a spacing
+    assert exact > 0.9
+    assert _momentum_after("stochastic") == pytest.approx(exact, rel=0.01)
 
 
 def test_saved_weights_are_weight_plus_compensation() -> None:

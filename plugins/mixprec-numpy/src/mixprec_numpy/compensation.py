@@ -10,6 +10,14 @@ optimizer update it in float32, and stores the result back into the bfloat16 wei
 - ``stochastic``: working value ``w``; after the update ``w = stochastic(v)``, drawn from a
   seeded NumPy generator whose state is part of the checkpoint.
 
+Under ``state="bfloat16"`` (either strategy) the optimizer's state of the compensated
+parameters (each floating array of the parameter's shape in ``optimizer.state``) is kept on
+the bfloat16 grid between steps: the optimizer updates it in float32 (widening a bfloat16
+value is exact, so there is nothing to do before the update), and after the weights it is
+stored as ``s = stochastic(s')`` from the same generator, in parameter order. Stochastic,
+not nearest: Adam's ``v`` moves by less than half a bfloat16 spacing per step once it is
+near ``g**2``, and nearest rounding would freeze it there (:mod:`mixprec.compensated`).
+
 Each function below is one line of that arithmetic, so a backend author can check theirs.
 """
 
@@ -25,10 +33,12 @@ from mixprec.errors import CheckpointError
 from mixprec_numpy.casting import Array, float32, round_to_bfloat16
 from mixprec_numpy.layers import Parameter
 
-__all__ = ["Compensation", "kahan_split", "round_stochastic_to_bfloat16"]
+__all__ = ["Compensation", "kahan_split", "round_state", "round_stochastic_to_bfloat16"]
 
 
 class _Updates(Protocol):
+    state: dict[str, Array]
+
     def update(self, params: list[Parameter]) -> None: ...
 
 
@@ -47,6 +57,17 @@ def round_stochastic_to_bfloat16(x: Array, rng: np.random.Generator) -> Array:
     return np.where(np.isnan(x), x, rounded.reshape(x.shape))
 
 
+def round_state(
+    state: dict[str, Array], params: Sequence[Parameter], rng: np.random.Generator
+) -> None:
+    """``state="bfloat16"``: round each parameter's state array of its shape (the
+    optimizer's ``state`` by parameter name) stochastically onto the bfloat16 grid."""
+    for p in params:
+        value = state.get(p.name)
+        if value is not None and np.shape(value) == np.shape(p.data):
+            state[p.name] = round_stochastic_to_bfloat16(value, rng)
+
+
 def kahan_split(value: Array) -> tuple[Array, Array]:
     """The bfloat16 weight and compensation that together hold the float32 ``value``:
     ``w = nearest(value)``, ``c = nearest(value - w)`` (both stored as float32 arrays)."""
@@ -61,10 +82,19 @@ class Compensation:
         float32 ones, such as pinned modules, are updated as they are).
     :param strategy: ``"kahan"`` or ``"stochastic"``.
     :param seed: seeds the stochastic rounding's random stream.
+    :param state: the policy's ``state``: ``"bfloat16"`` keeps the optimizer's state of the
+        compensated parameters on the bfloat16 grid between steps.
     """
 
-    def __init__(self, params: Sequence[Parameter], strategy: str, seed: int = 0) -> None:
+    def __init__(
+        self,
+        params: Sequence[Parameter],
+        strategy: str,
+        seed: int = 0,
+        state: str | None = None,
+    ) -> None:
         self.strategy = strategy
+        self.state = state
         self.params = [p for p in params if p.dtype == "bfloat16"]
         #: ``kahan``: each compensated parameter's compensation ``c``, by name.
         self.buffers: dict[str, Array] = (
@@ -96,6 +126,8 @@ class Compensation:
                 p.data = round_stochastic_to_bfloat16(w.data, self.rng)
             else:
                 p.data, self.buffers[p.name] = kahan_split(w.data)
+        if self.state is not None:  # after the weights: the same stream, in parameter order
+            round_state(optimizer.state, self.params, self.rng)
 
     def restore(self, param: Parameter, saved: Array, compensation: Array | None) -> None:
         """Set ``param`` from a checkpoint's float32 ``saved = w + c`` and the exact ``c``:

@@ -28,6 +28,7 @@ class NumpyConformanceAdapter:
 
     name = "numpy"
     master_strategies = ("kahan", "stochastic")
+    state_dtypes = ("bfloat16",)
     device = "cpu"
 
     def supported_ops(self) -> tuple[str, ...]:

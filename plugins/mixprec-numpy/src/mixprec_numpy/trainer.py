@@ -81,7 +81,11 @@ class Trainer(Stepping, ScalerCounters):
             [p.name for p, m in self.masters.pairs if p is m and is_low_precision(p.dtype)],
         )
         strategy = self.policy.master_strategy
-        self.compensation = None if strategy is None else Compensation(params, strategy, seed)
+        self.compensation = (
+            None
+            if strategy is None
+            else Compensation(params, strategy, seed, state=self.policy.state)
+        )
         model.policy = self.policy
         self.scaler = LossScaler(self.policy.loss_scale, guard=step_guard)
         self.tracker = StepTracker()
