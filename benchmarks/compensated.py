@@ -10,9 +10,10 @@ between steps, rounded stochastically). The figure is the final test MSE (lower 
 mean ± sd over seeds, per backend; the NumPy plugin runs its own reference arithmetic (SGD,
 as its optimizer). The digits CNN of case 7 (``benchmarks.accuracy``) runs under the same
 policies for a few epochs (test accuracy, higher is better): a task where plain bfloat16
-weights are expected to hold. :mod:`benchmarks.compensated_gluon` (case
-``compensated_gluon``) runs both tasks on Gluon. ``benchmarks/compensated_plot.py`` draws
-the teacher-student loss curves (docs/img/).
+weights are expected to hold; on the NumPy plugin, which has no convolution, case 7's digits
+MLP (SGD with momentum, so ``state=bfloat16`` has a buffer to round) stands in for it.
+:mod:`benchmarks.compensated_gluon` (case ``compensated_gluon``) runs both tasks on Gluon.
+``benchmarks/compensated_plot.py`` draws the teacher-student loss curves (docs/img/).
 
 Accuracy only: on a CPU without AVX512-BF16 (this machine) bfloat16 matmuls are far slower
 than float32, so no timing from this case means anything and none is reported.
@@ -45,6 +46,8 @@ TORCH_PRESETS = (
 )
 # the NumPy task's SGD has no momentum, so it keeps no state for state=bfloat16 to round
 NUMPY_PRESETS = ("fp32", "O2-bf16", "O3-bf16", "O3-bf16-kahan", "O3-bf16-sr")
+# the NumPy digits MLP trains with momentum, whose buffer state=bfloat16 rounds
+NUMPY_DIGITS_PRESETS = TORCH_PRESETS
 WIDTH, HIDDEN, BATCH = 16, 32, 64
 STEPS, LR = 1000, 3e-4
 NUMPY_STEPS, NUMPY_LR = 1000, 2e-3
@@ -53,6 +56,8 @@ NUMPY_STEPS, NUMPY_LR = 1000, 2e-3
 # and take the CNN to ~98 % (case 7 trains 20)
 DIGITS_EPOCHS = 10
 DIGITS_LR = 3e-3
+# case 7's NumPy digits model (no convolution there): an MLP with SGD, momentum 0.9
+NUMPY_DIGITS_EPOCHS, NUMPY_DIGITS_LR = 20, 0.1
 CURVE_EVERY = 25  # steps between two points of a loss curve
 # (metric, unit, factor) of each group's figure
 MSE = ("test MSE ×1e3", "", 1000.0)
@@ -96,6 +101,7 @@ def _collect(
     train: Callable[[str, int, int], float],
     length: tuple[int, int, str],
     metric: tuple[str, str, float],
+    presets: tuple[str, ...] = TORCH_PRESETS,
 ) -> JobResult:
     """Train every preset over the seeds. ``length``: (full, quick, unit) of the run's length
     (steps or epochs); ``metric``: (name, unit, factor applied to ``train``'s figure)."""
@@ -103,7 +109,7 @@ def _collect(
     steps = length[1] if opts.quick else length[0]
     name, unit, factor = metric
     result = JobResult()
-    for preset in TORCH_PRESETS if group != "numpy" else NUMPY_PRESETS:
+    for preset in presets:
         samples: list[float] = []
         error = None
         t0 = time.perf_counter()
@@ -219,16 +225,53 @@ def train_digits(preset: str, seed: int, epochs: int) -> float:
     return float((pred == yte).mean())
 
 
+def train_digits_numpy(preset: str, seed: int, epochs: int) -> float:
+    """Test accuracy (0–1) of case 7's NumPy digits MLP (SGD 0.1, momentum 0.9, batch 64)
+    under ``preset``, with the seed's init, batch order and stochastic rounding stream."""
+    import mixprec_numpy as mpn
+    from benchmarks.accuracy import batches, digits
+
+    xtr, ytr, xte, yte = digits()
+    model = mpn.MLP([64, 128, 10], seed=seed)
+    opt = mpn.SGD(lr=NUMPY_DIGITS_LR, momentum=0.9)
+    trainer = None if preset == "fp32" else mpn.Trainer(model, opt, policy=preset, seed=seed)
+    for epoch in range(epochs):
+        for idx in batches(len(xtr), seed, epoch):
+            model.loss(xtr[idx], ytr[idx])
+            if trainer is None:
+                model.backward()
+                opt.update(model.parameters())
+                for p in model.parameters():
+                    p.grad = None
+            else:
+                trainer.backward()
+                trainer.step()
+    return float((model.predict(xte).argmax(axis=1) == yte).mean())
+
+
 def run_torch(opts: Options) -> JobResult:
     return _collect("torch", opts, train_torch, (STEPS, STEPS // 10, "steps"), MSE)
 
 
 def run_numpy(opts: Options) -> JobResult:
-    return _collect("numpy", opts, train_numpy, (NUMPY_STEPS, NUMPY_STEPS // 10, "steps"), CE)
+    return _collect(
+        "numpy", opts, train_numpy, (NUMPY_STEPS, NUMPY_STEPS // 10, "steps"), CE, NUMPY_PRESETS
+    )
 
 
 def run_digits(opts: Options) -> JobResult:
     return _collect("digits", opts, train_digits, (DIGITS_EPOCHS, 1, "epochs"), ACCURACY)
+
+
+def run_digits_numpy(opts: Options) -> JobResult:
+    return _collect(
+        "digits numpy",
+        opts,
+        train_digits_numpy,
+        (NUMPY_DIGITS_EPOCHS, 1, "epochs"),
+        ACCURACY,
+        NUMPY_DIGITS_PRESETS,
+    )
 
 
 def jobs(opts: Options) -> list[Job]:
@@ -236,6 +279,12 @@ def jobs(opts: Options) -> list[Job]:
         Job("compensated torch", "benchmarks.compensated:run_torch", {}, "torch"),
         Job("compensated numpy", "benchmarks.compensated:run_numpy", {}, "numpy"),
         Job("compensated digits", "benchmarks.compensated:run_digits", {}, "digits"),
+        Job(
+            "compensated digits numpy",
+            "benchmarks.compensated:run_digits_numpy",
+            {},
+            "digits numpy",
+        ),
     ]
 
 
@@ -250,6 +299,9 @@ CASE = Case(
         f"{NUMPY_LR:g}, batch {BATCH}, {NUMPY_STEPS} steps; test cross-entropy ×1e3",
         "digits": f"case 7's digits CNN on torch, Adam {DIGITS_LR:g}, batch 64, "
         f"{DIGITS_EPOCHS} epochs; test accuracy",
+        "digits numpy": "case 7's NumPy digits model, mixprec_numpy.MLP([64, 128, 10]) (the "
+        f"plugin has no convolution), SGD {NUMPY_DIGITS_LR:g} momentum 0.9, batch 64, "
+        f"{NUMPY_DIGITS_EPOCHS} epochs; test accuracy",
     },
     order=TORCH_PRESETS,
     differences=("fp32",),

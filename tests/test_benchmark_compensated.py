@@ -49,3 +49,15 @@ def test_quick_run_reports_every_policy_with_its_metric() -> None:
 def test_loss_curve_plot_is_a_png(tmp_path: Path) -> None:
     out = compensated_plot.plot({"fp32": [0.5, 0.2], "O3-bf16": [0.6, 0.4]}, tmp_path / "c.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_numpy_digits_group_trains_every_preset_and_rounds_the_momentum() -> None:
+    result = compensated.run_digits_numpy(Options(quick=True, seeds=1))
+    by_preset = {m.contender: m for m in result.measurements}
+    assert tuple(by_preset) == compensated.NUMPY_DIGITS_PRESETS
+    for m in by_preset.values():
+        assert m.error is None, m.error
+        assert m.metric == "test accuracy"
+        # one epoch of SGD with momentum already classifies digits well above chance (10 %)
+        assert m.samples[0] > 70, (m.contender, m.samples)
+    assert result.lines == ["digits numpy: 1 seed(s) × 1 epochs"]
