@@ -31,7 +31,8 @@ Checkpoints: ``model.state_dict()`` saves ``w + c`` in float32 (:meth:`Compensat
 ``optimizer.state_dict()`` carries the exact compensation and the generator state
 (:meth:`Compensation.state_dict`). Loading the model splits the saved value into ``w, c``
 (:meth:`Compensation.split_loaded`); loading the optimizer afterwards puts back the saved
-``c`` and re-derives ``w = nearest(saved - c)``, the weight that was saved, bit for bit.
+``c`` and re-derives ``w = nearest(saved - c)``, the weight that was saved, bit for bit
+(also when the model loaded its checkpoint before ``wrap``).
 """
 
 from __future__ import annotations
@@ -231,15 +232,27 @@ class Compensation:
             )
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Put back the saved compensation and generator states; parameters loaded from the
-        model state dict since get ``w = nearest(saved - c)``, the weight that was saved."""
+        """Put back the saved compensation and generator states, and give each kahan
+        weight ``w = nearest(value - c)``: the weight that was saved, bit for bit.
+
+        ``value`` is the float32 value the model holds: the one a model state dict loaded
+        since gave it, or else ``w + c`` as they are now. The second covers a model that
+        loaded its checkpoint before ``wrap`` (Lightning restores the module first): ``wrap``
+        rounded that value to the nearest ``w``, which differs from the saved weight where
+        the saved ``c`` is half a bfloat16 step (a tie the nearest rounding breaks to even).
+        """
         with torch.no_grad():
-            for flat, comp in zip(self.flats, sd["compensation"], strict=True):
-                flat.comp.copy_(comp)
-                for param, view in zip(flat.params, flat.comp_views, strict=False):
+            for flat, saved in zip(self.flats, sd["compensation"], strict=True):
+                saved = saved.to(flat.comp.device)
+                offset = 0
+                for param, view in zip(flat.params, flat.comp_views, strict=False):  # kahan
                     value = self._loaded.pop(id(param), None)
-                    if value is not None:
-                        param.copy_(value - view.float())
+                    if value is None:
+                        value = param.float() + view.float()
+                    view.copy_(saved[offset : offset + view.numel()].view(view.shape))
+                    param.copy_(value - view.float())
+                    offset += view.numel()
+                flat.comp.copy_(saved)
         for gen, state in zip(self.generators, sd["generators"], strict=True):
             gen.set_state(state)
         self._loaded.clear()

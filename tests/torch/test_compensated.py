@@ -176,3 +176,43 @@ def test_sliced_passes_give_the_bits_of_one_pass(
     assert len(whole) == len(sliced)
     for a, b in zip(whole, sliced, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_checkpoint_loaded_before_wrap_gives_back_the_saved_weights() -> None:
+    """Lightning restores the module's state dict before the precision plugin wraps it. A
+    saved kahan weight ``w`` with a compensation of exactly half a bfloat16 step is saved as
+    ``w + c``, which rounds (ties to even) to ``w``'s neighbour wherever ``w`` is odd; loading
+    the optimizer state must give back ``w`` itself."""
+    model, opt = _wrapped_sgd()
+    _train(model, opt, 2)
+    weight = model[0].weight.detach().clone()  # bfloat16, the first of the flat buffer
+    odd = (weight.view(torch.int16) & 1).bool()
+    half_step = torch.ldexp(torch.ones_like(weight, dtype=torch.float32), _exponent(weight) - 8)
+    comp = torch.where(odd, half_step, 0.0).to(torch.bfloat16)
+    model_sd = model.state_dict()
+    model_sd["0.weight"] = weight.float() + comp.float()  # exact in float32
+    opt_sd = opt.state_dict()
+    saved = opt_sd["mixprec"]["compensation"]["compensation"][0]
+    saved[: weight.numel()] = comp.flatten()
+    assert odd.any() and not torch.equal(model_sd["0.weight"].to(torch.bfloat16), weight)
+
+    net = _net()
+    net.load_state_dict(model_sd)  # before wrap, as Lightning does
+    resumed, resumed_opt = mixprec.torch.wrap(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), policy="O3-bf16-kahan"
+    )
+    resumed_opt.load_state_dict(opt_sd)
+    assert torch.equal(resumed[0].weight.detach(), weight)
+    assert torch.equal(resumed.state_dict()["0.weight"], model_sd["0.weight"])
+
+
+def _wrapped_sgd() -> tuple[nn.Module, torch.optim.Optimizer]:
+    net = _net()
+    return mixprec.torch.wrap(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), policy="O3-bf16-kahan"
+    )
+
+
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2(|x|)) of each nonzero element (0 for zeros)."""
+    return torch.frexp(x.float())[1] - 1

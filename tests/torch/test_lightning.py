@@ -337,6 +337,19 @@ def test_fit_from_a_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert resumed_tr.precision_plugin.mixprec_state().skipped_steps == 1
 
 
+@pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr,state=bfloat16"])
+def test_compensated_fit_from_a_checkpoint_resumes_bit_for_bit(policy: str, tmp_path: Path) -> None:
+    """Lightning loads the module's weights before the plugin wraps it; the compensation and
+    the random stream come back with the optimizer state."""
+    whole, _ = fit(policy, 2)
+    _, first_tr = fit(policy, 1)
+    path = tmp_path / "epoch1.ckpt"
+    first_tr.save_checkpoint(path)
+    resumed = Net()
+    trainer(policy, 2).fit(resumed, DataLoader(data(), batch_size=BATCH), ckpt_path=path)
+    assert_same_weights(resumed, whole)
+
+
 def test_validate_after_fit_reuses_the_wrap_and_a_second_fit_is_refused() -> None:
     module, tr = fit("O2-bf16", 1)
     loader = DataLoader(data(), batch_size=BATCH)
