@@ -145,9 +145,16 @@ def ddp_skip(rank: int, world: int) -> Result:
 
 def ddp_bf16(rank: int, world: int) -> Result:
     """O2-bf16 (reducing in policy.reduce through the comm hook), O1-bf16 and the
-    compensated O3-bf16-kahan and O3-bf16-sr (same seed on every rank) under DDP."""
+    compensated O3-bf16-kahan and O3-bf16-sr (same seed on every rank; the last also with
+    the optimizer state rounded into bfloat16) under DDP."""
     out: Result = {}
-    runs = (("O2-bf16", True), ("O1-bf16", False), ("O3-bf16-kahan", True), ("O3-bf16-sr", True))
+    runs = (
+        ("O2-bf16", True),
+        ("O1-bf16", False),
+        ("O3-bf16-kahan", True),
+        ("O3-bf16-sr", True),
+        ("O3-bf16-sr,state=bfloat16", True),
+    )
     for policy, hook in runs:
         model = make_model()
         initial = values(list(model.parameters()))

@@ -175,7 +175,9 @@ def test_ddp_inf_on_one_rank_skips_the_step_on_every_rank(ranks: list[dict[str, 
 @two_ranks
 def test_ddp_bf16_policies_keep_ranks_identical(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = scenario(ranks, "ddp_bf16")
-    for policy in ("O2-bf16", "O1-bf16", "O3-bf16-kahan", "O3-bf16-sr"):
+    for policy in (
+        "O2-bf16", "O1-bf16", "O3-bf16-kahan", "O3-bf16-sr", "O3-bf16-sr,state=bfloat16"
+    ):  # fmt: skip
         a, b = r0[policy], r1[policy]
         assert a["moved"] and b["moved"]
         assert a["params"] == b["params"], f"{policy}: ranks diverged"
