@@ -61,3 +61,19 @@ def test_numpy_digits_group_trains_every_preset_and_rounds_the_momentum() -> Non
         # one epoch of SGD with momentum already classifies digits well above chance (10 %)
         assert m.samples[0] > 70, (m.contender, m.samples)
     assert result.lines == ["digits numpy: 1 seed(s) × 1 epochs"]
+
+
+def test_compensation_passes_reports_time_and_page_faults_for_both_forms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from benchmarks import compensation_passes
+
+    monkeypatch.setattr(compensation_passes, "SHAPES", [(64, 48), (48,)])
+    out = compensation_passes.measure(repeat=2, warmup=1)
+    for strategy in compensation_passes.STRATEGIES:
+        for form in compensation_passes.FORMS:
+            name = compensation_passes.name(strategy, form)
+            ms = out[f"{name} [fill + store, ms]"]
+            faults = out[f"{name} [page faults]"]
+            assert len(ms) == 3 and 0 < ms[0] < 1000
+            assert len(faults) == 3 and faults[1] >= 0
