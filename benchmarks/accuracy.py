@@ -221,6 +221,21 @@ def run_mxnet(opts: Options) -> JobResult:
 # ----------------------------------------------------------------------------- numpy plugin
 
 
+def numpy_step(model: Any, opt: Any, trainer: Any, x: Any, y: Any) -> None:
+    """One NumPy-plugin training step: the plain loop when ``trainer`` is None (fp32),
+    else the plugin's Trainer."""
+    model.loss(x, y)
+    if trainer is None:
+        model.backward()
+        params = model.parameters()
+        opt.update(params)
+        for p in params:
+            p.grad = None
+    else:
+        trainer.backward()
+        trainer.step()
+
+
 def train_numpy(preset: str, seed: int, epochs: int) -> float:
     import mixprec_numpy as mpn
 
@@ -230,16 +245,7 @@ def train_numpy(preset: str, seed: int, epochs: int) -> float:
     trainer = None if preset == "fp32" else mpn.Trainer(model, opt, policy=preset)
     for epoch in range(epochs * 2):  # SGD on an MLP: twice the epochs of the Adam CNNs
         for idx in batches(len(xtr), seed, epoch):
-            model.loss(xtr[idx], ytr[idx])
-            if trainer is None:
-                model.backward()
-                params = model.parameters()
-                opt.update(params)
-                for p in params:
-                    p.grad = None
-            else:
-                trainer.backward()
-                trainer.step()
+            numpy_step(model, opt, trainer, xtr[idx], ytr[idx])
     pred = model.predict(xte).argmax(axis=1)
     return float((pred == yte).mean())
 

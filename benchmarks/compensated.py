@@ -177,6 +177,7 @@ def train_numpy(preset: str, seed: int, steps: int) -> float:
     import numpy as np
 
     import mixprec_numpy as mpn
+    from benchmarks.accuracy import numpy_step
 
     xtr, ytr, xte, yte = _data(seed)
     labels_tr, labels_te = (ytr[:, 0] > 0).astype(np.int64), (yte[:, 0] > 0).astype(np.int64)
@@ -186,15 +187,7 @@ def train_numpy(preset: str, seed: int, steps: int) -> float:
     order = np.random.RandomState(seed)
     for _ in range(steps):
         idx = order.randint(0, len(xtr), BATCH)
-        model.loss(xtr[idx], labels_tr[idx])
-        if trainer is None:
-            model.backward()
-            opt.update(model.parameters())
-            for p in model.parameters():
-                p.grad = None
-        else:
-            trainer.backward()
-            trainer.step()
+        numpy_step(model, opt, trainer, xtr[idx], labels_tr[idx])
     return float(model.loss(xte, labels_te))
 
 
@@ -229,7 +222,7 @@ def train_digits_numpy(preset: str, seed: int, epochs: int) -> float:
     """Test accuracy (0–1) of case 7's NumPy digits MLP (SGD 0.1, momentum 0.9, batch 64)
     under ``preset``, with the seed's init, batch order and stochastic rounding stream."""
     import mixprec_numpy as mpn
-    from benchmarks.accuracy import batches, digits
+    from benchmarks.accuracy import batches, digits, numpy_step
 
     xtr, ytr, xte, yte = digits()
     model = mpn.MLP([64, 128, 10], seed=seed)
@@ -237,15 +230,7 @@ def train_digits_numpy(preset: str, seed: int, epochs: int) -> float:
     trainer = None if preset == "fp32" else mpn.Trainer(model, opt, policy=preset, seed=seed)
     for epoch in range(epochs):
         for idx in batches(len(xtr), seed, epoch):
-            model.loss(xtr[idx], ytr[idx])
-            if trainer is None:
-                model.backward()
-                opt.update(model.parameters())
-                for p in model.parameters():
-                    p.grad = None
-            else:
-                trainer.backward()
-                trainer.step()
+            numpy_step(model, opt, trainer, xtr[idx], ytr[idx])
     return float((model.predict(xte).argmax(axis=1) == yte).mean())
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from benchmarks.master_grads import MALLOC_VARS, _cell
+from benchmarks.master_grads import MALLOC_VARS, print_table
 from benchmarks.runner import Options, child_env, compare, setup_torch
 
 METRIC = "fill + store"
@@ -137,12 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 child = [*cmd, "--child", strategy, form]
                 out = subprocess.run(child, env=env, check=True, capture_output=True, text=True)
                 results[label].update(json.loads(out.stdout.strip().splitlines()[-1]))
-    print("| 16.8 M params | metric | " + " | ".join(results) + " |")
-    print("|---|---|" + "---|" * len(results))
-    for key in results["pinned thresholds"]:
-        contender, metric = key.rsplit(" [", 1)
-        cells = [_cell(r.get(key)) for r in results.values()]
-        print(f"| {contender} | {metric.rstrip(']')} | " + " | ".join(cells) + " |")
+    print_table("16.8 M params", results)
     print(f"(median and min–max of {args.repeat} samples)")
     return 0
 

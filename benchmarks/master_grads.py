@@ -131,14 +131,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"running with {label} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
         results[label] = json.loads(out.stdout.strip().splitlines()[-1])
-    print("| O2-bf16 MLP, 16.8 M params | metric | " + " | ".join(results) + " |")
+    print_table("O2-bf16 MLP, 16.8 M params", results)
+    print(f"(median and min–max of {args.repeat} samples: ms, or minor page faults)")
+    return 0
+
+
+def print_table(title: str, results: Mapping[str, Mapping[str, Any]]) -> None:
+    """One markdown row per ``"contender [metric]"`` key, one column per malloc setting."""
+    print(f"| {title} | metric | " + " | ".join(results) + " |")
     print("|---|---|" + "---|" * len(results))
-    for key in results["pinned thresholds"]:
+    for key in next(iter(results.values())):
         contender, metric = key.rsplit(" [", 1)
         cells = [_cell(r.get(key)) for r in results.values()]
         print(f"| {contender} | {metric.rstrip(']')} | " + " | ".join(cells) + " |")
-    print(f"(median and min–max of {args.repeat} samples: ms, or minor page faults)")
-    return 0
 
 
 def _cell(figures: list[float] | None) -> str:
