@@ -25,7 +25,7 @@ def test_guide_includes_match_their_files() -> None:
     assert {path for path, _ in found} == {
         "examples/torch_loop.py",
         "examples/gluon_loop.py",
-        "examples/lightning_digits.py",  # run by tests/torch/test_lightning.py
+        "examples/lightning_digits.py",  # run by tests/torch/test_lightning_closures.py
         "examples/accelerate_loop.py",  # run by tests/torch/test_accelerate.py
     }
     for path, text in found:

@@ -4,11 +4,6 @@ training written as a plain mixprec loop (wrap, scale_loss, unscale_, clip, step
 
 from __future__ import annotations
 
-import os
-import runpy
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +13,22 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning")
 
 import torch.nn.functional as F  # noqa: E402
+from _lightning_nets import (  # noqa: E402
+    BATCH,
+    BATCHES,
+    INF,
+    Net,
+    assert_same_weights,
+    data,
+    fit,
+    plain_loop,
+    trainer,
+)
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
-from mixprec.errors import PolicyError, WrapError  # noqa: E402
+from mixprec.errors import WrapError  # noqa: E402
 from mixprec.lightning import MixprecPrecision  # noqa: E402
 
 pytestmark = [
@@ -31,120 +37,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
 ]
-
-BATCHES, BATCH = 4, 16
-INF = float("inf")
-
-
-def data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCHES * BATCH, 8, generator=gen) * 3
-    return TensorDataset(x, torch.randint(0, 3, (BATCHES * BATCH,), generator=gen))
-
-
-class Net(L.LightningModule):
-    """A tiny classifier whose training_step calls ``self.net`` directly (issue 10, item 5)."""
-
-    def __init__(self, *, inject: tuple[int, ...] = (), manual_clip: float | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-        self.inject = inject
-        self.manual_clip = manual_clip
-        self.automatic_optimization = manual_clip is None
-        self.seen_dtypes: list[torch.dtype] = []
-        self.no_loss: tuple[int, ...] = ()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def loss(self, batch: Any, step: int, *, direct: bool = True) -> torch.Tensor:
-        x, y = batch
-        logits = self.net(x) if direct else self(x)
-        self.seen_dtypes.append(logits.dtype)
-        loss = F.cross_entropy(logits, y)
-        return loss * INF if step in self.inject else loss
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.automatic_optimization:
-            return None if batch_idx in self.no_loss else self.loss(batch, self.global_step)
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(self.loss(batch, self.global_step))
-        self.clip_gradients(opt, gradient_clip_val=self.manual_clip, gradient_clip_algorithm="norm")
-        opt.step()
-        if self.trainer.is_last_batch:  # manual optimization steps its schedulers itself
-            self.lr_schedulers().step()
-        return None
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
-
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
-
-
-def trainer(policy: str, epochs: int = 2, **kwargs: Any) -> Any:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": epochs,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-        **kwargs,
-    }
-    return L.Trainer(plugins=[MixprecPrecision(policy)], **options)
-
-
-def fit(policy: str, epochs: int = 2, *, module: Net | None = None, **kwargs: Any) -> Any:
-    module = module if module is not None else Net()
-    tr = trainer(policy, epochs, **kwargs)
-    tr.fit(module, DataLoader(data(), batch_size=BATCH))
-    return module, tr
-
-
-def plain_loop(
-    policy: str,
-    epochs: int = 2,
-    *,
-    inject: tuple[int, ...] = (),
-    clip: Callable[[list[torch.Tensor]], Any] | None = None,
-    accumulate: int = 1,
-) -> Net:
-    """The same training as a hand-written mixprec loop."""
-    module = Net(inject=inject)
-    opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    module, opt = mpt.wrap(module, opt, policy=policy)
-    loader = DataLoader(data(), batch_size=BATCH)
-    step = 0
-    for _ in range(epochs):
-        for i, batch in enumerate(loader):
-            if i % accumulate == 0:
-                opt.zero_grad()
-            loss = module.loss(batch, step, direct=False)
-            with mpt.scale_loss(loss / accumulate if accumulate > 1 else loss, opt) as scaled:
-                scaled.backward()
-            if (i + 1) % accumulate:
-                continue
-            mpt.unscale_(opt)
-            if clip is not None:
-                clip(mpt.master_params(opt))
-            opt.step()
-            step += 1
-        sched.step()
-    return module
-
-
-def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
 
 
 # --------------------------------------------------------------------------- training
@@ -361,126 +253,3 @@ def test_validate_after_fit_reuses_the_wrap_and_a_second_fit_is_refused() -> Non
     (metrics,) = trainer("O2-bf16").validate(fresh, loader, verbose=False)
     assert metrics["val_loss"] > 0
     assert fresh.net[0].weight.dtype == torch.bfloat16
-
-
-# --------------------------------------------------------------------------- bad input, imports
-
-
-@pytest.mark.parametrize(
-    ("policy", "name"),
-    [("O0", "32-true"), ("O1", "16-mixed"), ("O2", "16-mixed"), ("O1-bf16", "bf16-mixed"),
-     ("O2-bf16", "bf16-mixed"), ("O3", "16-true"), ("O3-bf16", "bf16-true"), ("auto", "32-true")],
-)  # fmt: skip
-def test_trainer_precision_reports_lightnings_name_for_the_policy(policy: str, name: str) -> None:
-    assert MixprecPrecision(policy).precision == name
-
-
-class WithLBFGS(Net):
-    """The same classifier trained by LBFGS, which re-runs Lightning's closure in step()."""
-
-    def configure_optimizers(self) -> Any:
-        return lbfgs(self)
-
-
-def lbfgs(module: nn.Module) -> torch.optim.LBFGS:
-    return torch.optim.LBFGS(module.parameters(), lr=0.5, max_iter=4)
-
-
-def batch_loss(module: Net) -> float:
-    """The loss on the first batch, with batch statistics (running stats move: call last)."""
-    x, y = data()[:BATCH]
-    with torch.no_grad():
-        return float(F.cross_entropy(module.train()(x), y))
-
-
-def test_lbfgs_trains_under_o2_bf16_as_the_plain_closure_loop() -> None:
-    """Five LBFGS steps on one batch: Lightning's run equals mixprec's own closure loop."""
-    start = batch_loss(WithLBFGS())
-    module, tr = fit("O2-bf16", 5, module=WithLBFGS(), limit_train_batches=1)
-    assert tr.global_step == 5
-    assert module.net[0].weight.dtype == torch.bfloat16
-    assert tr.precision_plugin.mixprec_state().skipped_steps == 0
-    # LBFGS's line search re-ran Lightning's closure: more forwards than steps
-    assert len(module.seen_dtypes) > 5
-
-    plain = WithLBFGS()
-    plain_model, opt = mpt.wrap(plain, lbfgs(plain), policy="O2-bf16")
-    first = next(iter(DataLoader(data(), batch_size=BATCH)))
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = plain.loss(first, 0, direct=False)
-        loss.backward()
-        return loss
-
-    for _ in range(5):
-        opt.step(closure)
-    assert_same_weights(module, plain_model)
-    assert batch_loss(module) < 0.5 * start
-
-
-def test_lbfgs_clips_the_float32_master_gradients_once_per_step() -> None:
-    norms: list[float] = []
-
-    class Clipped(WithLBFGS):
-        def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-            super().configure_gradient_clipping(optimizer, *args, **kwargs)
-            grads = [m.grad for m in mpt.master_params(optimizer)]
-            assert all(g is not None and g.dtype == torch.float32 for g in grads)
-            norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
-
-    module, tr = fit("O2-bf16", 1, module=Clipped(), gradient_clip_val=0.05)
-    assert tr.global_step == BATCHES
-    assert len(norms) == BATCHES  # not once per line-search evaluation
-    assert all(n <= 0.05 * 1.001 for n in norms)
-    assert len(module.seen_dtypes) > BATCHES
-
-
-def test_bad_policy_and_lbfgs_under_loss_scaling_are_refused_before_training() -> None:
-    with pytest.raises(PolicyError):
-        MixprecPrecision("O9")
-    module = WithLBFGS()
-    before = module.net[0].weight.detach().clone()
-    with pytest.raises(WrapError, match="LBFGS") as refused:
-        fit("O2", 1, module=module)
-    assert "O2-bf16" in str(refused.value)  # the fix it names
-    assert module.net[0].weight.dtype == torch.float32
-    assert torch.equal(module.net[0].weight, before)
-
-
-def test_mixprec_lightning_without_lightning_names_the_extra() -> None:
-    code = (
-        "import sys; sys.modules['lightning'] = None\n"
-        "import mixprec\n"
-        "assert 'torch' not in sys.modules\n"
-        "try:\n"
-        "    import mixprec.lightning\n"
-        "except mixprec.BackendNotAvailable as exc:\n"
-        "    print(exc)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    ).stdout
-    assert "pip install 'mixprec[lightning]'" in out
-
-
-def test_the_lightning_digits_example_trains(capsys: pytest.CaptureFixture[str]) -> None:
-    root = Path(__file__).resolve().parents[2]
-    runpy.run_path(str(root / "examples/lightning_digits.py"), run_name="__main__")
-    out = capsys.readouterr().out
-    assert "precision bf16-mixed, policy O2-bf16" in out  # its asserts check the accuracy
-
-
-def test_a_strategy_that_wraps_the_module_first_is_refused_clearly() -> None:
-    module = Net()
-    environ = dict(os.environ)
-    tr = trainer("O2-bf16", 1, strategy="ddp")
-    try:
-        with pytest.raises(WrapError, match="single-device strategy"):
-            tr.fit(module, DataLoader(data(), batch_size=BATCH))
-    finally:  # undo the one-rank gloo group and the variables Lightning's DDP set up
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-    assert module.net[0].weight.dtype == torch.float32
