@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +18,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec.torch as mpt
 from mixprec.lightning import MixprecPrecision
+
+#: The marks of every Lightning test module (``pytestmark = LIGHTNING_MARKS``).
+LIGHTNING_MARKS = [
+    pytest.mark.torch,
+    # Lightning's own advice (DataLoader workers, log intervals) and its pytree shim on torch 2.13
+    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+]
 
 BATCHES, BATCH = 4, 16
 INF = float("inf")

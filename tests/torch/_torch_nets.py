@@ -27,6 +27,29 @@ def mlp(seed: int = 0, *, batchnorm: bool = False, width: int = 32) -> nn.Module
     return nn.Sequential(*layers)
 
 
+def tanh_net(seed: int = 0) -> nn.Module:
+    """The compensated tests' classifier: Linear 6→16, tanh, Linear 16→3."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+#: One fixed batch for :func:`tanh_net` (inputs, class labels).
+TANH_X = torch.randn(32, 6, generator=torch.Generator().manual_seed(1))
+TANH_Y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2))
+
+
+def train_tanh(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[float]:
+    """``steps`` plain steps (no loss scale) on the fixed batch; the losses."""
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(TANH_X).float(), TANH_Y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def batch(step: int, n: int = 64, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     return torch.randn(n, 16, generator=gen) * scale, torch.randint(0, 5, (n,), generator=gen)

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _torch_nets import TANH_X, TANH_Y, tanh_net, train_tanh  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec  # noqa: E402
@@ -30,32 +31,13 @@ OPTIMIZERS: dict[str, Make] = {
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
 }
 
-X = torch.randn(32, 6, generator=torch.Generator().manual_seed(1))
-Y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2))
-
-
-def _net(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
 
 def _wrapped(
     policy: str, make: Make = OPTIMIZERS["adam"], seed: int = 3
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = _net()
+    model = tanh_net()
     opt = make(list(model.parameters()))
     return mixprec.torch.wrap(model, opt, policy=policy, seed=seed)
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(X).float(), Y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -81,7 +63,7 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 @pytest.mark.parametrize("make", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
 def test_any_optimizer_trains_with_bfloat16_state(policy: str, make: Make) -> None:
     model, opt = _wrapped(policy, make)
-    losses = _train(model, opt, 20)
+    losses = train_tanh(model, opt, 20)
     assert losses[-1] < losses[0]
     moments = _moments(opt)
     assert moments and {t.dtype for t in moments} == {torch.bfloat16}
@@ -93,8 +75,8 @@ def test_any_optimizer_trains_with_bfloat16_state(policy: str, make: Make) -> No
 def test_state_memory_between_steps_halves(base: str) -> None:
     full_model, full_opt = _wrapped(base)
     half_model, half_opt = _wrapped(f"{base},state=bfloat16")
-    _train(full_model, full_opt, 2)
-    _train(half_model, half_opt, 2)
+    train_tanh(full_model, full_opt, 2)
+    train_tanh(half_model, half_opt, 2)
     params = sum(p.numel() for p in half_model.parameters())
     assert _state_bytes(full_opt) == 8 * params  # exp_avg + exp_avg_sq in float32
     assert _state_bytes(half_opt) == 4 * params  # the same two in bfloat16
@@ -104,7 +86,7 @@ def test_state_is_float32_inside_the_update() -> None:
     model, opt = _wrapped(POLICIES[0])
     seen: list[torch.dtype] = []
     opt.register_step_pre_hook(lambda o, a, k: seen.extend(t.dtype for t in _moments(o)))
-    _train(model, opt, 2)
+    train_tanh(model, opt, 2)
     assert seen and set(seen) == {torch.float32}  # the second step's pre-hook saw state
     assert {t.dtype for t in _moments(opt)} == {torch.bfloat16}
 
@@ -146,7 +128,7 @@ def test_the_seed_makes_runs_reproducible(policy: str) -> None:
     b_model, b_opt = _wrapped(policy, seed=4)
     c_model, c_opt = _wrapped(policy, seed=5)
     for model, opt in ((a_model, a_opt), (b_model, b_opt), (c_model, c_opt)):
-        _train(model, opt, 5)
+        train_tanh(model, opt, 5)
     assert all(torch.equal(a, b) for a, b in zip(_moments(a_opt), _moments(b_opt), strict=True))
     assert not all(torch.equal(a, c) for a, c in zip(_moments(a_opt), _moments(c_opt), strict=True))
 
@@ -159,14 +141,14 @@ def test_the_seed_makes_runs_reproducible(policy: str) -> None:
 )
 def test_resume_repeats_the_trajectory_bit_for_bit(policy: str, make: Make) -> None:
     model, opt = _wrapped(policy, make, seed=3)
-    _train(model, opt, 4)
+    train_tanh(model, opt, 4)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
     saved_state = [v for v in opt.state_dict()["state"][0].values() if v.dim() > 0]
     assert {v.dtype for v in saved_state} == {torch.bfloat16}
-    _train(model, opt, 4)
+    train_tanh(model, opt, 4)
 
-    other = _net(seed=7)  # other weights, another seed: the checkpoint must decide all
+    other = tanh_net(seed=7)  # other weights, another seed: the checkpoint must decide all
     other, other_opt = mixprec.torch.wrap(
         other, make(list(other.parameters())), policy=policy, seed=99
     )
@@ -175,7 +157,7 @@ def test_resume_repeats_the_trajectory_bit_for_bit(policy: str, make: Make) -> N
     other_opt.load_state_dict(saved["optimizer"])
     # torch casts loaded state to the working masters' float32; it is bfloat16 again
     assert {t.dtype for t in _moments(other_opt)} == {torch.bfloat16}
-    _train(other, other_opt, 4)
+    train_tanh(other, other_opt, 4)
     for a, b in zip(model.parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b)
     for a, b in zip(_moments(opt), _moments(other_opt), strict=True):
@@ -184,10 +166,10 @@ def test_resume_repeats_the_trajectory_bit_for_bit(policy: str, make: Make) -> N
 
 def test_a_skipped_step_leaves_the_state_alone() -> None:
     model, opt = _wrapped(POLICIES[1])
-    _train(model, opt, 2)
+    train_tanh(model, opt, 2)
     before = [t.clone() for t in _moments(opt)]
     opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(X).float(), Y)
+    loss = nn.functional.cross_entropy(model(TANH_X).float(), TANH_Y)
     loss.backward()
     next(iter(model.parameters())).grad.view(-1)[0] = float("inf")
     opt.step()
@@ -196,7 +178,7 @@ def test_a_skipped_step_leaves_the_state_alone() -> None:
 
 @pytest.mark.parametrize("spec", ["O2-bf16", "O3-bf16", "O1-bf16"])
 def test_bfloat16_state_without_a_strategy_is_refused(spec: str) -> None:
-    model = _net()
+    model = tanh_net()
     opt = torch.optim.Adam(model.parameters())
     with pytest.raises(PolicyError, match="master='kahan' or 'stochastic'"):
         mixprec.torch.wrap(model, opt, policy=f"{spec},state=bfloat16")

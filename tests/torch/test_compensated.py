@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _torch_nets import tanh_net, train_tanh  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec  # noqa: E402
@@ -43,14 +44,6 @@ def test_small_updates_survive_the_strategies_and_vanish_in_plain_bfloat16() -> 
     assert _pushed("O3-bf16-sr") == pytest.approx(wanted, rel=0.05)
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-X = torch.randn(32, 6, generator=torch.Generator().manual_seed(1))
-Y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2))
-
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
@@ -60,29 +53,18 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
 }
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(X).float(), Y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr"])
 @pytest.mark.parametrize("make", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
 def test_any_optimizer_trains_and_keeps_its_class(
     policy: str, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 ) -> None:
-    model = _net()
+    model = tanh_net()
     opt = make(list(model.parameters()))
     kind = type(opt)
     model, opt = mixprec.torch.wrap(model, opt, policy=policy)
     assert isinstance(opt, kind)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    losses = _train(model, opt, 20)
+    losses = train_tanh(model, opt, 20)
     assert losses[-1] < losses[0]
     # between steps the float32 working masters hold no memory
     assert all(m.untyped_storage().nbytes() == 0 for m in mixprec.torch.master_params(opt))
@@ -90,13 +72,13 @@ def test_any_optimizer_trains_and_keeps_its_class(
 
 @pytest.mark.parametrize("policy", ["O3-bf16-kahan", "O3-bf16-sr"])
 def test_resume_repeats_the_trajectory_bit_for_bit(policy: str) -> None:
-    model = _net()
+    model = tanh_net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = mixprec.torch.wrap(model, opt, policy=policy, seed=3)
-    _train(model, opt, 4)
+    train_tanh(model, opt, 4)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
-    _train(model, opt, 4)
+    train_tanh(model, opt, 4)
 
     other = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))  # other weights
     other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
@@ -104,7 +86,7 @@ def test_resume_repeats_the_trajectory_bit_for_bit(policy: str) -> None:
     saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     other.load_state_dict(saved["model"])
     other_opt.load_state_dict(saved["optimizer"])
-    _train(other, other_opt, 4)
+    train_tanh(other, other_opt, 4)
     for a, b in zip(model.parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b)
     assert all(
@@ -114,7 +96,7 @@ def test_resume_repeats_the_trajectory_bit_for_bit(policy: str) -> None:
 
 
 def test_saved_weights_are_weight_plus_compensation() -> None:
-    model = _net()
+    model = tanh_net()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     model, opt = mixprec.torch.wrap(model, opt, policy="O3-bf16-kahan")
@@ -127,7 +109,7 @@ def test_saved_weights_are_weight_plus_compensation() -> None:
 
 
 def test_plain_float32_state_dict_loads_into_a_compensated_model() -> None:
-    plain = _net()
+    plain = tanh_net()
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = mixprec.torch.wrap(model, opt, policy="O3-bf16-kahan")
@@ -137,13 +119,13 @@ def test_plain_float32_state_dict_loads_into_a_compensated_model() -> None:
 
 
 def test_optimizer_state_from_another_strategy_is_refused_before_loading() -> None:
-    kahan_model = _net()
+    kahan_model = tanh_net()
     kahan_opt = torch.optim.SGD(kahan_model.parameters(), lr=0.1)
     kahan_model, kahan_opt = mixprec.torch.wrap(kahan_model, kahan_opt, policy="O3-bf16-kahan")
-    sr_model = _net()
+    sr_model = tanh_net()
     sr_opt = torch.optim.SGD(sr_model.parameters(), lr=0.1, momentum=0.9)
     sr_model, sr_opt = mixprec.torch.wrap(sr_model, sr_opt, policy="O3-bf16-sr")
-    _train(sr_model, sr_opt, 1)
+    train_tanh(sr_model, sr_opt, 1)
     before = kahan_opt.state_dict()
     with pytest.warns(mixprec.MixprecWarning), pytest.raises(CheckpointError, match="kahan"):
         kahan_opt.load_state_dict(sr_opt.state_dict())
@@ -160,11 +142,11 @@ def test_sliced_passes_give_the_bits_of_one_pass(
     from mixprec_torch import state_rounding
 
     def run() -> list[torch.Tensor]:
-        net = _net()
+        net = tanh_net()
         model, opt = mixprec.torch.wrap(
             net, torch.optim.AdamW(net.parameters(), lr=1e-2), policy=policy
         )
-        _train(model, opt, 5)
+        train_tanh(model, opt, 5)
         sd = opt.state_dict()
         kept = sd["mixprec"]["compensation"]
         moments = [v for s in sd["state"].values() for k, v in s.items() if k != "step"]
@@ -184,7 +166,7 @@ def test_a_checkpoint_loaded_before_wrap_gives_back_the_saved_weights() -> None:
     ``w + c``, which rounds (ties to even) to ``w``'s neighbour wherever ``w`` is odd; loading
     the optimizer state must give back ``w`` itself."""
     model, opt = _wrapped_sgd()
-    _train(model, opt, 2)
+    train_tanh(model, opt, 2)
     weight = model[0].weight.detach().clone()  # bfloat16, the first of the flat buffer
     odd = (weight.view(torch.int16) & 1).bool()
     half_step = torch.ldexp(torch.ones_like(weight, dtype=torch.float32), _exponent(weight) - 8)
@@ -196,7 +178,7 @@ def test_a_checkpoint_loaded_before_wrap_gives_back_the_saved_weights() -> None:
     saved[: weight.numel()] = comp.flatten()
     assert odd.any() and not torch.equal(model_sd["0.weight"].to(torch.bfloat16), weight)
 
-    net = _net()
+    net = tanh_net()
     net.load_state_dict(model_sd)  # before wrap, as Lightning does
     resumed, resumed_opt = mixprec.torch.wrap(
         net, torch.optim.SGD(net.parameters(), lr=0.1), policy="O3-bf16-kahan"
@@ -207,7 +189,7 @@ def test_a_checkpoint_loaded_before_wrap_gives_back_the_saved_weights() -> None:
 
 
 def _wrapped_sgd() -> tuple[nn.Module, torch.optim.Optimizer]:
-    net = _net()
+    net = tanh_net()
     return mixprec.torch.wrap(
         net, torch.optim.SGD(net.parameters(), lr=0.1), policy="O3-bf16-kahan"
     )

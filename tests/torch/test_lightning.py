@@ -17,6 +17,7 @@ from _lightning_nets import (  # noqa: E402
     BATCH,
     BATCHES,
     INF,
+    LIGHTNING_MARKS,
     Net,
     assert_same_weights,
     data,
@@ -31,12 +32,7 @@ import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import WrapError  # noqa: E402
 from mixprec.lightning import MixprecPrecision  # noqa: E402
 
-pytestmark = [
-    pytest.mark.torch,
-    # Lightning's own advice (DataLoader workers, log intervals) and its pytree shim on torch 2.13
-    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
-]
+pytestmark = LIGHTNING_MARKS
 
 
 # --------------------------------------------------------------------------- training

@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from _lightning_nets import (  # noqa: E402
     BATCH,
     BATCHES,
+    LIGHTNING_MARKS,
     Net,
     assert_same_weights,
     data,
@@ -33,12 +34,7 @@ import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import PolicyError, WrapError  # noqa: E402
 from mixprec.lightning import MixprecPrecision  # noqa: E402
 
-pytestmark = [
-    pytest.mark.torch,
-    # Lightning's own advice (DataLoader workers, log intervals) and its pytree shim on torch 2.13
-    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
-]
+pytestmark = LIGHTNING_MARKS
 
 
 # --------------------------------------------------------------------------- bad input, imports
