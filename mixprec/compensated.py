@@ -51,13 +51,14 @@ from __future__ import annotations
 from typing import Final
 
 from mixprec.dtypes import BFLOAT16, canonical_dtype
-from mixprec.errors import PolicyError
+from mixprec.errors import PolicyError, WrapError
 
 __all__ = [
     "KAHAN",
     "MASTER_STRATEGIES",
     "STATE_DTYPES",
     "STOCHASTIC",
+    "check_seed",
     "check_state",
     "check_strategy",
     "describe_state",
@@ -141,3 +142,17 @@ def describe_state(state: str | None) -> str:
     if state is None:
         return "as the optimizer allocates it"
     return f"{state} between steps (stochastic rounding, seeded), float32 inside step()"
+
+
+def check_seed(seed: object) -> int:
+    """The ``seed`` a backend's ``wrap``/``Trainer`` was given, checked before anything
+    changes: it seeds the stochastic rounding (``master=stochastic``, ``state="bfloat16"``).
+
+    :raises WrapError: not a non-negative int.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise WrapError(
+            f"seed must be a non-negative int (it seeds master=stochastic's rounding), got "
+            f"{seed!r}; pass e.g. seed=0"
+        )
+    return seed

@@ -29,6 +29,7 @@ from typing import Any
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
+from mixprec.compensated import check_seed
 from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.guard import StepGuard
@@ -93,7 +94,7 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         **overrides: Any,
     ) -> None:
         step_guard = StepGuard.coerce(guard)
-        self._seed = _check_seed(seed)
+        self._seed = check_seed(seed)
         if update_on_kvstore:
             raise WrapError(
                 "update_on_kvstore=True updates the weights inside the kvstore, where an "
@@ -269,15 +270,6 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
     def load_parameters(self, fname: str, **kwargs: Any) -> None:
         """Load float32 values into the masters, then cast them into the model."""
         checkpoint.load_parameters(self, fname, **kwargs)
-
-
-def _check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise WrapError(
-            f"seed must be a non-negative int (it seeds master=stochastic's rounding), got "
-            f"{seed!r}; pass e.g. seed=0"
-        )
-    return seed
 
 
 def _check_state(policy: Policy) -> None:
