@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.compensated import check_seed
 from mixprec.dtypes import FLOAT32
 from mixprec.guard import StepGuard
 from mixprec.masters import MasterWeights
@@ -87,12 +88,14 @@ def wrap(
     :param overrides: policy fields (``compute="float16"``, ``loss_scale="dynamic"``...).
     :returns: what was given, in the same shape: ``model``, ``(model, optimizer)``,
         ``([models], [optimizers])``...
-    :raises WrapError: a model or optimizer that cannot be wrapped (the message says why
-        and how to fix it); nothing is changed then.
+    :raises WrapError: a model or optimizer that cannot be wrapped, or a ``seed`` that is
+        not a non-negative int (the message says why and how to fix it); nothing is
+        changed then.
     :raises UnsupportedDtypeError: a parameter on a device that cannot compute the policy.
     :raises PolicyError: a bad policy spec.
     """
     step_guard = StepGuard.coerce(guard)
+    seed = check_seed(seed)
     model_list, models_listed = _listify(models)
     opt_list, opts_listed = _listify(optimizers)
     params = check_arguments(model_list, opt_list)

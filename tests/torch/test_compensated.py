@@ -198,3 +198,16 @@ def _wrapped_sgd() -> tuple[nn.Module, torch.optim.Optimizer]:
 def _exponent(x: torch.Tensor) -> torch.Tensor:
     """floor(log2(|x|)) of each nonzero element (0 for zeros)."""
     return torch.frexp(x.float())[1] - 1
+
+
+@pytest.mark.parametrize("seed", [-1, "7", 1.5, True])
+def test_a_bad_seed_is_refused_before_the_model_changes(seed: object) -> None:
+    from mixprec.errors import WrapError
+
+    model = tanh_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(WrapError, match="seed must be a non-negative int"):
+        mixprec.torch.wrap(model, opt, policy="O3-bf16-sr", seed=seed)  # type: ignore[arg-type]
+    for key, value in model.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, before[key]), key

@@ -147,3 +147,14 @@ def test_saved_weights_are_weight_plus_compensation() -> None:
     comp = trainer.compensation.buffers[param.name]
     assert np.any(comp != 0)
     np.testing.assert_array_equal(saved[f"param/{param.name}"], param.data + comp)
+
+
+def test_a_bad_seed_is_refused_before_the_model_changes() -> None:
+    from mixprec.errors import WrapError
+
+    model = MLP([4, 8, 2], seed=0)
+    before = [(p.data.copy(), p.dtype) for p in model.parameters()]
+    with pytest.raises(WrapError, match="seed must be a non-negative int"):
+        Trainer(model, SGD(lr=0.1), policy="O3-bf16-sr", seed=-1)
+    for p, (data, dtype) in zip(model.parameters(), before, strict=True):
+        assert p.dtype == dtype and np.array_equal(p.data, data)

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from mixprec.compensated import check_seed
 from mixprec.dtypes import is_low_precision
 from mixprec.errors import CheckpointError
 from mixprec.guard import StepGuard
@@ -62,6 +63,7 @@ class Trainer(Stepping, ScalerCounters):
         guard: StepGuard | Mapping[str, Any] | None = None,
     ) -> None:
         step_guard = StepGuard.coerce(guard)
+        seed = check_seed(seed)
         self.policy = resolve_policy(policy, device)
         self.model, self.optimizer = model, optimizer
         params = model.parameters()
