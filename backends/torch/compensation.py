@@ -245,16 +245,16 @@ class Compensation:
         """
         with torch.no_grad():
             for flat, saved in zip(self.flats, sd["compensation"], strict=True):
+                # kahan: the views tile the flat compensation (stochastic keeps none)
                 saved = saved.to(flat.comp.device)
                 offset = 0
-                for param, view in zip(flat.params, flat.comp_views, strict=False):  # kahan
+                for param, view in zip(flat.params, flat.comp_views, strict=False):
                     value = self._loaded.pop(id(param), None)
                     if value is None:
                         value = param.float() + view.float()
                     view.copy_(saved[offset : offset + view.numel()].view(view.shape))
                     param.copy_(value - view.float())
                     offset += view.numel()
-                flat.comp.copy_(saved)
         for gen, state in zip(self.generators, sd["generators"], strict=True):
             gen.set_state(state)
         self._loaded.clear()
