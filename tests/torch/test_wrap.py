@@ -64,6 +64,7 @@ def test_auto_resolves_for_the_device_and_is_reported(caplog: pytest.LogCaptureF
     assert mixprec.Policy.from_dict(opt.state_dict()["mixprec"]["policy"]) == policy
 
 
+@pytest.mark.cpu_isa
 def test_capabilities_describe_cpu() -> None:
     caps = mpt.capabilities()
     cpu = caps.device("cpu")
