@@ -54,12 +54,17 @@ def scale_loss(loss: torch.Tensor, optimizers: Any) -> Iterator[torch.Tensor]:
         )
     if not isinstance(loss, torch.Tensor):
         raise WrapError(f"scale_loss needs the loss as a tensor, got {type(loss).__name__}")
+    if any(st.reevaluating for st in states):
+        # inside step(closure), LBFGS re-evaluating: the backward belongs to that step
+        yield scaled_loss(loss, group)
+        return
     for st in states:
         if st.round is not None:
             raise StepOrderError(
-                "this optimizer took part in a backward pass whose step() is still pending "
-                "(another optimizer of the same scale_loss call already stepped); call "
-                "step() on every optimizer passed to scale_loss before the next backward pass"
+                "scale_loss: this optimizer's gradients from the previous backward pass were "
+                "already unscaled and checked by the step() of another optimizer of the same "
+                "wrap call, and its own step() has not run yet; call step() on every "
+                "optimizer passed to scale_loss before the next backward pass"
             )
     counted: list[OptimizerState] = []
     try:

@@ -145,6 +145,9 @@ class OptimizerState:
         self.found_inf: list[torch.Tensor] = []
         """The device-side overflow flags of the latest unscale (one per device)."""
         self.round: Round | None = None
+        self.reevaluating = False
+        """The optimizer's own ``step()`` is re-running its closure (LBFGS's line search): a
+        ``scale_loss`` inside belongs to that step."""
         self.implicit_unscale = False
         """Another optimizer's ``step()`` unscaled this one (so ``unscale_`` is a no-op)."""
         self.param_versions: list[int] | None = None

@@ -314,10 +314,11 @@ def _check_closure(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None
     if st.group.scaler.enabled:
         raise StepOrderError(
             f"optimizer.step(closure) under policy {st.group.policy}, which scales the loss "
-            f"(scale {st.group.scaler.scale:g}): the closure's loss.backward() would produce "
-            "unscaled gradients that overflow or underflow in float16, and an optimizer that "
-            "re-runs the closure (LBFGS) could not skip. Use a policy without loss scaling "
-            "(a bf16 preset, or loss_scale=None), or " + fix
+            f"(scale {st.group.scaler.scale:g}), is not supported, and the closure was not "
+            "run: each evaluation's gradients would need unscaling and an overflow check, and "
+            "an optimizer that re-evaluates the closure (LBFGS's line search) cannot skip a "
+            "step half-way through. Use a policy without loss scaling (a bf16 preset, or "
+            "loss_scale=None), or " + fix
         )
     if st.group.compensation is not None:
         raise StepOrderError(
@@ -356,8 +357,12 @@ def _reevaluating(
         if calls == 1:
             return first
         copy_masters_to_model(st, optimizer)
-        with torch.enable_grad():
-            loss = closure()
+        st.reevaluating = True
+        try:
+            with torch.enable_grad():
+                loss = closure()
+        finally:
+            st.reevaluating = False
         copy_grads_to_masters(st, optimizer)
         return loss
 
