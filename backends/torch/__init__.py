@@ -30,9 +30,9 @@ exported here too), :mod:`.torch_private` (every private torch name), :mod:`.pre
 lazy function), :mod:`.lightning` (``MixprecPrecision``), :mod:`.copies` (deep copies
 of wrapped models keep exact masters; pickles and optimizer copies refuse),
 :mod:`.averaging` (``AveragedModel``, ``ema``: weight averages in float32),
-:mod:`.recompute` (``checkpoint_context``), :mod:`.reentrant` (plain functions under
-reentrant checkpointing: repaired, or ``ReentrantCheckpointWarning``) and
-:mod:`.plugin` (the entry point, which never imports torch).
+:mod:`.recompute` (``checkpoint_context``), :mod:`.kernels`, :mod:`.regions` and
+:mod:`.aten` (O1's kernels at torch's Autocast dispatch keys, the regions they read, the
+operators they sit on) and :mod:`.plugin` (the entry point, which never imports torch).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from mixprec.lazy import lazy_exports
 __all__ = [
     "AveragedModel",
     "MixprecState",
-    "ReentrantCheckpointWarning",
     "advise",
     "all_reduce_found_inf",
     "capabilities",
@@ -77,7 +76,6 @@ _LAZY = {
     "state": "mixprec_torch.loop",
     "save": "mixprec_torch.checkpoint",
     "checkpoint_context": "mixprec_torch.recompute",
-    "ReentrantCheckpointWarning": "mixprec_torch.reentrant",
     "MixprecState": "mixprec.scaler",
     "capabilities": "mixprec_torch.devices",
     "conformance_adapter": "mixprec_torch.conformance",
@@ -107,7 +105,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from mixprec_torch.distributed import all_reduce_found_inf
     from mixprec_torch.loop import master_params, scale_loss, state, unscale_
     from mixprec_torch.recompute import checkpoint_context
-    from mixprec_torch.reentrant import ReentrantCheckpointWarning
     from mixprec_torch.sharding import (
         fsdp_mixed_precision_policy,
         fully_shard_with_policy,

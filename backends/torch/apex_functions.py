@@ -22,6 +22,7 @@ from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 
 from . import autocast as _autocast
+from .regions import current, suspended
 
 __all__ = [
     "apply_registered",
@@ -43,7 +44,7 @@ _LOWP: list[torch.dtype] = [torch.float16]  # the compute dtype of the latest in
 
 def _in_region() -> bool:
     """Whether a wrapped model's forward is running (apex: "amp is active")."""
-    return bool(_autocast._local.regions)
+    return current() is not None
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -146,13 +147,5 @@ def apply_registered(policy: Policy, compute: torch.dtype) -> Policy:
 @contextmanager
 def disable_casts() -> Iterator[None]:
     """Inside a wrapped forward: run the block in the tensors' own dtypes, no casting."""
-    regions = _autocast._local.regions
-    mode = regions[-1][1] if regions else None
-    if mode is not None:
-        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-    try:
-        with _autocast.autocast_off(("cpu", "cuda")):
-            yield
-    finally:
-        if mode is not None:
-            mode.__enter__()  # type: ignore[no-untyped-call]
+    with suspended(), _autocast.autocast_off(("cpu", "cuda")):
+        yield

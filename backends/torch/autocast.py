@@ -1,32 +1,39 @@
-"""O1: op-level casting that follows the policy, built on ``torch.autocast``.
+"""O1: op-level casting that follows the policy, decided where ``torch.autocast`` decides.
 
-A wrapped model's forward runs inside a *region*:
+A wrapped model's forward runs inside a *region* (:meth:`OpCasting.enter`):
 
 1. ``torch.autocast(device_type, dtype=policy.compute)`` when the policy casts ops (O1-style)
-   and computes in low precision. Its C++ dispatch does the bulk of the work fast: matrix
-   products in low precision, with the weight casts cached for the forward.
-2. A :class:`torch.overrides.TorchFunctionMode` (:class:`PolicyMode`), only when needed. At
-   wrap time every family's representative calls are run under the same autocast setting
-   (:func:`mixprec_torch.ops.autocast_dtypes`) and compared with ``Policy.decide``; the mode
-   intercepts exactly the families where they disagree (CPU autocast leaves ``softmax``,
-   ``layer_norm``, ``exp``... in bfloat16, the default policy wants float32), the families
-   that module rules name, ``"torch:<name>"`` ops, and banned ops. For an intercepted call it
-   asks ``Policy.decide`` (cached: decide is pure) with the dtypes of the floating inputs and
-   the innermost module that has a rule of its own, casts the floating inputs to that dtype
-   and runs the call with autocast off. Everything else goes straight through.
+   and computes in low precision. Its C++ kernels at the Autocast dispatch key do the bulk
+   of the work: matrix products in low precision, with the weight casts cached for the
+   forward.
+2. For the families where autocast and the policy disagree, mixprec's own kernels at the
+   same key (:mod:`mixprec_torch.kernels`). At wrap time every family's representative calls
+   are run under the same autocast setting (:func:`mixprec_torch.probes.autocast_dtypes`) and
+   compared with ``Policy.decide``; the families where they differ (CPU autocast leaves
+   ``softmax``, ``layer_norm``, ``exp``... in bfloat16, the default policy wants float32), the
+   families that module rules name, ``"torch:<name>"`` ops and banned ops get a kernel for
+   each of their ATen operators (:data:`mixprec_torch.ops.ATEN_OPS`). The region's
+   :class:`~mixprec_torch.regions.Region` says, per operator, what a :class:`CastHandler`
+   does: look the dtype up (``Policy.decide``'s answer for the floating inputs' dtypes in the
+   current module context, prepared at wrap time by
+   :class:`~mixprec_torch.decisions.Decisions`), cast the floating inputs, and run the
+   operator with autocast's key excluded. Every other operator never leaves C++.
+
+Because the decision lives in torch's dispatcher, whatever torch runs inside the region sees
+it, and whatever re-runs part of the forward later is given its region back by
+:mod:`mixprec_torch.regions`: activation checkpointing's recomputation (any checkpointed
+callable, both modes), ``torch.compile`` (the region is part of the traced graph), user
+code that torch calls back. A nested ``torch.autocast(enabled=False)`` turns the policy off
+inside, as it turns autocast off.
 
 Module rules: a module the policy pins to a dtype is an *island*
-(:mod:`mixprec_torch.casting`): its forward pre-hook turns autocast off and casts the
-inputs to the pinned dtype, its post-hook turns autocast back on. Modules with rules of
-their own push a decision context that :class:`PolicyMode` reads, so op rules inside a
-module rule apply there only.
+(:mod:`mixprec_torch.casting`): its forward pre-hook turns autocast off (and with it the
+kernels) and casts the inputs to the pinned dtype, its post-hook turns autocast back on.
+Modules with rules of their own open their context's region, so op rules inside a module rule
+apply there only.
 
-Decisions are looked up, not made, while a forward runs:
-:class:`~mixprec_torch.decisions.Decisions` holds ``Policy.decide``'s answers for every
-intercepted op, decision context and input dtypes, prepared at wrap time. That, and
-:class:`~mixprec_torch.tracing.TracedForward` (the region as ``with`` blocks while
-``torch.compile`` traces, where hooks cannot hold it), lets a wrapped model compile without
-graph breaks.
+A region without autocast (O2/O3 under float16) decides no dtypes but still refuses the
+policy's banned ops: :class:`BanHandler` s at the Autograd key (:mod:`mixprec_torch.kernels`).
 
 Only what runs inside a wrapped model's forward is cast. Outputs leave the model in
 ``policy.output`` (float32 for O1/O2), so a loss computed outside runs in float32.
@@ -34,63 +41,40 @@ Only what runs inside a wrapped model's forward is cast. Outputs leave the model
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from mixprec.dtypes import is_low_precision
 from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 
-from .decisions import DecisionContext, Decisions, InputKey, input_key
+from .aten import aten_ops
+from .decisions import DecisionContext, Decisions, input_key
 from .dtypes import FLOATING, cast_floating, torch_dtype
-from .ops import NORM_ARGS, NORM_PARAMS_KW, NORM_STATS_KW, TORCH_OPS, callables_for
+from .ops import ATEN_OPS, NORM_ARGS
 from .probes import autocast_dtypes, probe
-from .tracing import autocast_each
+from .regions import Handler, Region, pop, push
+from .tracing import autocast_off, disable_autocast
 
 __all__ = [
+    "BanHandler",
+    "CastHandler",
     "DecisionContext",
     "OpCasting",
-    "PolicyMode",
-    "active_casting",
+    "autocast_dtype",
     "autocast_off",
-    "context_stack",
     "disable_autocast",
     "intercepted_ops",
-    "recomputation",
     "region",
 ]
 
 
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.contexts: list[DecisionContext] = []
-        self.regions: list[tuple[list[Any], TorchFunctionMode | None]] = []
-
-
-_local = _Local()
-
-
-def context_stack() -> list[DecisionContext]:
-    """This thread's stack of module decision contexts (innermost last)."""
-    return _local.contexts
-
-
-def active_casting() -> OpCasting | None:
-    """The op casting whose :class:`PolicyMode` the innermost open region runs (None outside
-    a region, or when that region runs autocast alone)."""
-    regions = _local.regions
-    mode = regions[-1][1] if regions else None
-    return mode.casting if isinstance(mode, PolicyMode) else None
-
-
 # ------------------------------------------------------------------------------------------
-# Which families need interception
+# Which families need a kernel
 # ------------------------------------------------------------------------------------------
 
 
@@ -101,15 +85,25 @@ def _probe_lowp(policy: Policy) -> torch.dtype:
     return torch.bfloat16
 
 
-def intercepted_ops(policy: Policy, device_types: Sequence[str]) -> frozenset[str]:
-    """The ops (families and ``"torch:"`` names) the mode must handle for ``policy``.
+def _banned(policy: Policy) -> set[str]:
+    ops = set(policy.ops.banned)
+    for rule in policy.modules:
+        ops.update(op for op, lst in rule.ops if lst == "banned")
+    return ops
 
-    A family is left to autocast (or to native PyTorch when autocast is off) only when every
-    probe of it, on every device type, produced the dtype ``policy.decide`` gives for the
-    same inputs. Probes the native op refuses (mixed dtypes without autocast) are ignored:
-    such calls fail the same way in plain PyTorch.
+
+def intercepted_ops(policy: Policy, device_types: Sequence[str]) -> frozenset[str]:
+    """The ops (families and ``"torch:"`` names) whose operators get a kernel for ``policy``.
+
+    Under autocast, a family is left to autocast only when every probe of it, on every
+    device type, produced the dtype ``policy.decide`` gives for the same inputs. Probes the
+    native op refuses (mixed dtypes without autocast) are ignored: such calls fail the same
+    way in plain PyTorch. Without autocast (O2/O3), ops run as torch runs them and only the
+    banned ones are intercepted.
     """
     autocast = autocast_dtype(policy)
+    if autocast is None:
+        return frozenset(op for op in _banned(policy) if aten_ops(op))
     lowp = _probe_lowp(policy)
     ops: set[str] = set()
     for device_type in device_types:
@@ -120,14 +114,14 @@ def intercepted_ops(policy: Policy, device_types: Sequence[str]) -> frozenset[st
                 continue
             try:
                 expected = policy.decide(family, inputs).dtype
-            except PolicyError:  # banned: the mode raises the policy's error
+            except PolicyError:  # banned: the kernel raises the policy's error
                 ops.add(family)
                 continue
             if produced is None:
                 # refused under autocast but not without it (CPU autocast's promote rule
                 # rejects float16 inputs): the policy's rule is applied instead
                 config = tuple(torch_dtype(d) for d in inputs)
-                if autocast is not None and probe(device_type, None, family, index, config):
+                if probe(device_type, None, family, index, config):
                     ops.add(family)
             elif produced != expected:
                 ops.add(family)
@@ -135,7 +129,7 @@ def intercepted_ops(policy: Policy, device_types: Sequence[str]) -> frozenset[st
         if op.startswith("torch:"):
             ops.add(op)
     for rule in policy.modules:
-        ops.update(op for op, _ in rule.ops if op in TORCH_OPS or op.startswith("torch:"))
+        ops.update(op for op, _ in rule.ops if op in ATEN_OPS or op.startswith("torch:"))
     return frozenset(ops)
 
 
@@ -147,21 +141,16 @@ def autocast_dtype(policy: Policy) -> torch.dtype | None:
 
 
 # ------------------------------------------------------------------------------------------
-# The mode
+# Handlers: what a kernel does inside a region
 # ------------------------------------------------------------------------------------------
-
 
 _NormPositions = tuple[tuple[int, int], tuple[int, int]]
 """Positions of a norm's running statistics and of its weight and bias (see ``NORM_ARGS``)."""
-_Entry = tuple[str, _NormPositions | None]
 
 
-def _norm_call(
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    dtype: torch.dtype,
-    positions: _NormPositions,
-) -> tuple[list[Any], dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+def _norm_args(
+    args: Sequence[Any], dtype: torch.dtype, positions: _NormPositions
+) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Arguments for a batch/instance norm run in ``dtype``.
 
     Float32 weights and statistics stay as they are under a low-precision input (the kernels
@@ -171,106 +160,69 @@ def _norm_call(
     stats_pos, params_pos = positions
     writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
     lowp = dtype != torch.float32
-
-    def convert(value: Any, stats: bool) -> Any:
+    out: list[Any] = []
+    for i, value in enumerate(args):
+        if i not in stats_pos and i not in params_pos:
+            out.append(cast_floating(value, dtype))
+            continue
         if (
             not isinstance(value, torch.Tensor)
             or value.dtype not in FLOATING
             or value.dtype == dtype
+            or (lowp and value.dtype == torch.float32)
         ):
-            return value
-        if lowp and value.dtype == torch.float32:
-            return value
-        cast = value.detach().to(dtype) if stats else value.to(dtype)
-        if stats:
+            out.append(value)
+        elif i in stats_pos:
+            cast = value.detach().to(dtype)
             writeback.append((value, cast))
-        return cast
-
-    new_args = []
-    for i, a in enumerate(args):
-        if i in stats_pos:
-            new_args.append(convert(a, True))
-        elif i in params_pos:
-            new_args.append(convert(a, False))
+            out.append(cast)
         else:
-            new_args.append(cast_floating(a, dtype))
-    new_kwargs = {}
-    for k, v in kwargs.items():
-        if k in NORM_STATS_KW:
-            new_kwargs[k] = convert(v, True)
-        elif k in NORM_PARAMS_KW:
-            new_kwargs[k] = convert(v, False)
-        else:
-            new_kwargs[k] = cast_floating(v, dtype)
-    return new_args, new_kwargs, writeback
+            out.append(value.to(dtype))
+    return out, writeback
 
 
-class PolicyMode(TorchFunctionMode):
-    """Intercepts the torch callables of the ops :func:`intercepted_ops` chose and runs each
-    in the dtype ``Policy.decide`` gives, with autocast off for the call."""
+class CastHandler:
+    """Runs an operator of ``op`` (a family or a ``"torch:"`` name) in the dtype the region
+    decides for its floating inputs, with the Autocast key excluded for the call.
 
-    def __init__(self, casting: OpCasting) -> None:
-        super().__init__()
-        self.casting = casting
+    :param op: the op name the policy's rules use.
+    :param norm: for batch/instance norm, the positions of the statistics and parameters.
+    """
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Iterable[type],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        entry = self.casting.table.get(func)
-        if entry is None:
-            return func(*args, **(kwargs or {}))
-        kwargs = kwargs or {}
-        dtype = self.casting.dtype_for(entry[0], input_key(args, kwargs))
-        norm = entry[1]
-        if norm is not None:
-            new_args, new_kwargs, writeback = _norm_call(args, kwargs, dtype, norm)
-            if torch.compiler.is_compiling():
-                out = autocast_each(self.casting.device_types, None, func, *new_args, **new_kwargs)
-            else:
-                with autocast_off(self.casting.device_types):
-                    out = func(*new_args, **new_kwargs)
+    __slots__ = ("norm", "op")
+
+    def __init__(self, op: str, norm: _NormPositions | None = None) -> None:
+        self.op = op
+        self.norm = norm
+
+    def run(self, region: Region, kernel: Any, keyset: Any, args: Any, kwargs: Any) -> Any:
+        dtype = region.dtype(self.op, input_key(args, kwargs))
+        if self.norm is not None:
+            new_args, writeback = _norm_args(args, dtype, self.norm)
+            with kernel.below():
+                out = kernel.op(*new_args, **kwargs)
             if writeback:
                 with torch.no_grad():
                     for original, cast in writeback:
                         original.copy_(cast)
             return out
         new_args = [cast_floating(a, dtype) for a in args]
-        new_kwargs = {k: v if k == "out" else cast_floating(v, dtype) for k, v in kwargs.items()}
-        if torch.compiler.is_compiling():
-            return autocast_each(self.casting.device_types, None, func, *new_args, **new_kwargs)
-        with autocast_off(self.casting.device_types):
-            return func(*new_args, **new_kwargs)
+        with kernel.below():
+            return kernel.op(*new_args, **{k: cast_floating(v, dtype) for k, v in kwargs.items()})
 
 
-def disable_autocast(device_types: Sequence[str]) -> Callable[[], None]:
-    """Turn autocast off for ``device_types``; return the call that turns it back on.
+class BanHandler:
+    """At an Autograd key: raises the policy's error where the region bans ``op``, else runs
+    the operator as torch does."""
 
-    Only the enabled flag changes (the nesting level and the weight-cast cache stay), so
-    an island inside an autocast region costs two flag flips per device type.
-    """
-    was_on = [dt for dt in device_types if torch.is_autocast_enabled(dt)]
-    for dt in was_on:
-        torch.set_autocast_enabled(dt, False)
+    __slots__ = ("op",)
 
-    def restore() -> None:
-        for dt in was_on:
-            torch.set_autocast_enabled(dt, True)
+    def __init__(self, op: str) -> None:
+        self.op = op
 
-    return restore
-
-
-@contextmanager
-def autocast_off(device_types: Sequence[str]) -> Iterator[None]:
-    """Autocast disabled for ``device_types`` (restored afterwards, nesting level untouched)."""
-    restore = disable_autocast(device_types)
-    try:
-        yield
-    finally:
-        restore()
+    def run(self, region: Region, kernel: Any, keyset: Any, args: Any, kwargs: Any) -> Any:
+        region.dtype(self.op, input_key(args, kwargs))  # raises where it is banned
+        return kernel.passthrough(keyset, args, kwargs)
 
 
 # ------------------------------------------------------------------------------------------
@@ -280,7 +232,8 @@ def autocast_off(device_types: Sequence[str]) -> Iterator[None]:
 
 @dataclass
 class OpCasting:
-    """How one wrapped model casts ops: the autocast dtype and the intercepted callables.
+    """How one wrapped model casts ops: the autocast dtype, the operators mixprec decides,
+    and the regions of its decision contexts.
 
     :param policy: the resolved policy.
     :param device_types: the device types the model's tensors live on (``"cpu"``, ``"cuda"``).
@@ -290,94 +243,101 @@ class OpCasting:
     device_types: tuple[str, ...]
     autocast: torch.dtype | None = field(init=False)
     ops: frozenset[str] = field(init=False)
-    table: dict[Callable[..., Any], _Entry] = field(init=False)
-    """Intercepted callable -> (its op name, its norm argument positions or None)."""
+    handlers: dict[str, Handler] = field(init=False)
+    """ATen operator -> what its kernel at the Autocast key does inside this plan's regions."""
+    bans: dict[str, Handler] = field(init=False)
+    """ATen operator -> its kernel at the Autograd key (regions without autocast only)."""
     decisions: Decisions = field(init=False)
     """``Policy.decide``'s answers for the intercepted ops, prepared at wrap time."""
+    regions: dict[DecisionContext | None, Region] = field(init=False)
 
     def __post_init__(self) -> None:
         self.autocast = autocast_dtype(self.policy)
         self.ops = intercepted_ops(self.policy, self.device_types)
-        table: dict[Callable[..., Any], _Entry] = {}
-        # neutral families first, so a "torch:" name for the same callable wins
+        handlers: dict[str, Handler] = {}
+        bans: dict[str, Handler] = {}
+        # neutral families first, so a "torch:" name for the same operator wins
         for op in sorted(self.ops, key=lambda o: o.startswith("torch:")):
-            for fn in callables_for(op):
-                table[fn] = (op, NORM_ARGS.get(fn))
-        self.table = table
+            for name in aten_ops(op):
+                if self.autocast is not None:
+                    handlers[name] = CastHandler(op, NORM_ARGS.get(name.partition(".")[0]))
+                else:
+                    bans[name] = BanHandler(op)
+        self.handlers, self.bans = handlers, bans
         self.decisions = Decisions(self.policy, self.ops)
-        self.decisions.prepare(None)
+        self.regions = {}
+        self.region(None)
 
     @property
     def active(self) -> bool:
-        """Whether a region does anything at all (autocast or the mode)."""
-        return self.autocast is not None or bool(self.table)
+        """Whether a region does anything at all (autocast or kernels)."""
+        return self.autocast is not None or bool(self.handlers) or bool(self.bans)
 
-    def mode(self) -> PolicyMode:
-        """A fresh op-casting mode for this plan (:class:`~mixprec_torch.tracing.TracedForward`
-        enters it in a ``with`` block)."""
-        return PolicyMode(self)
+    @property
+    def intercepts(self) -> bool:
+        """Whether some operator runs through mixprec's kernels in this plan's regions."""
+        return bool(self.handlers) or bool(self.bans)
 
-    def dtype_for(self, op: str, key: InputKey) -> torch.dtype:
-        """The dtype ``op`` runs in for inputs ``key`` (:func:`input_key`) in the current
-        module context: a lookup in the answers prepared at wrap time."""
-        contexts = _local.contexts
-        return self.decisions.dtype(op, contexts[-1] if contexts else None, key)
+    def claims(self) -> Iterable[tuple[str, str, Any]]:
+        """Every (ATen operator, device type, key kind) this plan needs a kernel at."""
+        for device_type in self.device_types:
+            for name in self.handlers:
+                yield name, device_type, "Autocast"
+            for name in self.bans:
+                yield name, device_type, "Autograd"
+
+    def region(self, context: DecisionContext | None) -> Region:
+        """The region of one decision context (made once, at wrap time for the model's
+        ruled modules: a compiled forward names it by its id)."""
+        found = self.regions.get(context)
+        if found is None:
+            decisions = self.decisions
+            found = self.regions[context] = Region(
+                self.handlers,
+                self.bans,
+                decisions.prepare(context),
+                lambda op, key: decisions.answer(op, context, key),
+            )
+        return found
+
+    @property
+    def region_id(self) -> int | None:
+        """The id of the region with no module context, when this plan has kernels (what
+        :class:`~mixprec_torch.tracing.TracedForward` opens while compiling)."""
+        return self.regions[None].id if self.intercepts else None
 
     # --------------------------------------------------------------------- regions
 
-    def enter(self) -> None:
-        """Start a region (the forward pre-hook of a wrapped model calls this)."""
+    def enter(self) -> list[Any]:
+        """Start a region (the forward pre-hook of a wrapped model calls this): autocast,
+        and this plan's region; returns what :meth:`exit` closes."""
         contexts: list[Any] = []
-        mode: TorchFunctionMode | None = None
         try:
             if self.autocast is not None:
                 for device_type in self.device_types:
                     ctx = torch.autocast(device_type, dtype=self.autocast)
                     ctx.__enter__()
                     contexts.append(ctx)
-            if self.table:
-                mode = PolicyMode(self)
-                mode.__enter__()
         except BaseException:
             for ctx in reversed(contexts):
                 ctx.__exit__(None, None, None)
             raise
-        _local.regions.append((contexts, mode))
+        push(self.regions[None])
+        return contexts
 
-    def exit(self) -> None:
-        """End the innermost region (the forward post-hook calls this, even on errors)."""
-        contexts, mode = _local.regions.pop()
-        if mode is not None:
-            mode.__exit__(None, None, None)
+    def exit(self, contexts: list[Any]) -> None:
+        """End the region :meth:`enter` started (the post-hook calls this, even on errors)."""
+        pop()
         for ctx in reversed(contexts):
             ctx.__exit__(None, None, None)
 
 
 @contextmanager
 def region(casting: OpCasting) -> Iterator[None]:
-    """Run a block as a wrapped model's forward would run (used by tests and conformance)."""
-    casting.enter()
+    """Run a block as a wrapped model's forward would run (used by tests and conformance;
+    the plan's kernels must be installed: :func:`mixprec_torch.kernels.install`)."""
+    contexts = casting.enter()
     try:
         yield
     finally:
-        casting.exit()
-
-
-@contextmanager
-def recomputation(casting: OpCasting, context: DecisionContext | None) -> Iterator[None]:
-    """The op-casting mode and decision context of a forward, around a recomputation of part
-    of it during backward (activation checkpointing).
-
-    Autocast is not entered here: ``torch.utils.checkpoint`` restores the forward's autocast
-    state itself (on, or off inside a float32 island), and entering it again would turn it on
-    inside an island.
-    """
-    contexts = context_stack()
-    if context is not None:
-        contexts.append(context)
-    try:
-        with PolicyMode(casting):
-            yield
-    finally:
-        if context is not None:
-            contexts.pop()
+        casting.exit(contexts)

@@ -12,38 +12,27 @@ For each module of a wrapped model, :func:`plan_model` decides once, at wrap tim
   and, when no autocast runs around it (O2/O3), casts floating outputs back to the dtype
   around it. So a float32 BatchNorm in an O2 float16 network receives float32 and hands
   float16 to the next layer, in train and in eval mode;
-- whether it pushes a decision context (it matches a module rule, and the op-casting mode is
-  on) so ``Policy.decide`` sees the module an op runs in.
+- whether it opens its decision context's region (it matches a module rule, and O1's kernels
+  decide some ops) so ``Policy.decide`` sees the module an op runs in.
 
-The root gets the *boundary*: floating inputs are cast to the root's dtype when that is a
-low-precision dtype (O2/O3), the op-casting region (:mod:`mixprec_torch.autocast`) runs
-around the forward, and floating outputs are cast to ``policy.output``.
+The root gets the *boundary*, as its ``forward`` attribute (:class:`_Boundary`): floating
+inputs are cast to the root's dtype when that is a low-precision dtype (O2/O3), the
+op-casting region (:mod:`mixprec_torch.autocast`) runs around the forward, and floating
+outputs are cast to ``policy.output``. A forward rather than hooks: under ``torch.compile`` a
+user-defined module's hooks compile as frames (and graphs) of their own beside its forward,
+and each costs a call per step; the boundary is part of the one compiled frame. Hooks the
+user registers on the root run outside the boundary (a pre-hook sees the inputs before they
+are cast, a post-hook the output after).
 
-The modules a user may call on their own (the root's children, and every module that
-holds others: ``model.encoder``, ``model.encoder.layer[3]``, ``self.net``) get an *entry*
-where they would run differently without that boundary (all of them under O1's op casting;
-those whose parameters are low precision under O2/O3). When such a module
-is called from outside the model's forward (``model.encoder(x)``, ``self.net(x)`` in a
-LightningModule's ``training_step``), it opens the
-same region, pushes its nearest ruled ancestor's decision context, turns autocast off under
-a pinned ancestor, casts its inputs to its own dtype and its outputs to ``policy.output``,
-exactly as the root would. Called during backward (``torch.utils.checkpoint`` recomputing
-it, :mod:`mixprec_torch.recompute`), an entry opens the same region but casts neither inputs
-nor outputs, as inside the forward. Inside the model's forward an entry only reads one counter
-(:attr:`ModelCasting.depth`) and does nothing, but a hooked module takes PyTorch's slower
-call path (measured on this CPU: 2.5 µs a call without hooks, 8.3 µs with an entry's two),
-so leaves deeper down (a single ``Linear`` inside a block, most of a model's modules) get
-no entry: such a leaf called on its own runs as PyTorch runs it.
+The modules a user may call on their own get an *entry* (:mod:`mixprec_torch.entries`).
 
-Every hook is a bound method of a :class:`ModelCasting` stored on the model, so
-``copy.deepcopy(model)`` copies hooks and plan consistently; pickling them raises
+Every hook and forward is a bound method of a :class:`ModelCasting` stored on the model (or
+holds it), so ``copy.deepcopy(model)`` copies hooks and plan consistently; pickling them raises
 :class:`~mixprec.errors.CheckpointError` (:mod:`mixprec_torch.copies`).
 """
 
 from __future__ import annotations
 
-import functools
-import threading
 from typing import Any
 
 import torch
@@ -52,25 +41,17 @@ from torch import nn
 from mixprec.dtypes import is_low_precision
 from mixprec.policy import Policy
 
-from .autocast import DecisionContext, OpCasting, context_stack, disable_autocast, recomputation
+from .autocast import DecisionContext, OpCasting
 from .copies import CopyOnly
 from .dtypes import cast_floating, torch_dtype
+from .entries import EntryHooks, ancestors, entry_point, hooks_local, undo
+from .kernels import install as install_kernels
 from .param_dtypes import apply_param_dtypes, lowp_param, planned_dtypes, recast_error
-from .reentrant import ReentrantCheck, plain_function_context
+from .regions import Region, anchor, pop, push
 from .sites import ModuleSite, class_names, plan_model
-from .torch_private import in_backward
-from .tracing import TracedForward
+from .tracing import TracedForward, autocast_each, disable_autocast
 
 __all__ = ["ModelCasting", "ModuleSite", "cast_floating", "class_names", "plan_model"]
-
-
-class _HooksLocal(threading.local):
-    def __init__(self) -> None:
-        # (module, undo steps) per running forward with hooks, innermost last
-        self.stack: list[tuple[nn.Module, list[Any]]] = []
-
-
-_hooks_local = _HooksLocal()
 
 
 class ModelCasting(CopyOnly):
@@ -102,12 +83,9 @@ class ModelCasting(CopyOnly):
             torch_dtype(root.dtype) if cast_params and is_low_precision(root.dtype) else None
         )
         self._handles: list[Any] = []
-        self._traced: list[tuple[nn.Module, TracedForward, Any]] = []
+        self._traced: list[tuple[nn.Module, Any, Any]] = []
         self._sentinel: tuple[str, nn.Parameter, torch.dtype] | None = None
-        self.reentrant = ReentrantCheck(policy.label)
-        """Repairs (or warns about) plain functions under reentrant checkpointing."""
-        self._plain: tuple[bool, DecisionContext | None] = (False, None)
-        """(known, context) of the forward's plain functions: set by :meth:`install`."""
+        self._root_region: Region | None = None
         self.depth = 0
         """Forwards of this model running now, through the root or an entry (an int, not a
         thread-local: a wrapped model trains on one thread, and a copy must deep-copy)."""
@@ -132,8 +110,15 @@ class ModelCasting(CopyOnly):
         return self.casting is not None and self.casting.autocast is not None
 
     @property
-    def mode_on(self) -> bool:
-        return self.casting is not None and bool(self.casting.table)
+    def intercepts(self) -> bool:
+        """Whether O1's kernels decide some ops in this model's regions."""
+        return self.casting is not None and self.casting.intercepts
+
+    def context_region(self, site: ModuleSite) -> Region | None:
+        """The region a module with rules of its own opens (None: it opens none)."""
+        if self.casting is None or not self.intercepts or not site.has_rule:
+            return None
+        return self.casting.region(DecisionContext(site.name, site.classes))
 
     def is_island(self, site: ModuleSite) -> bool:
         """Pinned, and either autocast runs around it or its params differ from around it."""
@@ -142,58 +127,49 @@ class ModelCasting(CopyOnly):
         )
 
     def install(self, model: nn.Module) -> None:
-        """Register the root's boundary hooks and every island/context hook."""
+        """Give the root its boundary and register every island/context/entry hook."""
         root = self.sites[0]
         self._sentinel = lowp_param(model, self.sites) if self.cast_params else None
         self._root_island = self.is_island(root)
-        self._root_context = self.mode_on and root.has_rule
-        self._plain = plain_function_context(
-            self.sites, root_island=self._root_island, root_context=self._root_context
-        )
+        self._root_region = self.context_region(root)
+        if self.casting is not None:
+            install_kernels(self.casting)
         if self._root_island:
             self.input_dtype = torch_dtype(root.dtype)
         handles = self._handles
-        handles.append(
-            model.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True)
-        )
-        handles.append(model.register_forward_hook(self._root_post, always_call=True))
+        self._replace_forward(model, _Boundary(self, model.forward))
         by_name = {site.name: site for site in self.sites}
-        if self.casting is not None:  # torch.compile: the region as with blocks
-            self._trace_forward(model, region=True, island=self._root_island and self.autocast_on)
-        if self.casting is not None and self.mode_on:
-            for site in self.sites:
-                if site.has_rule:  # the mode only looks decisions up while a forward runs
-                    self.casting.decisions.prepare(DecisionContext(site.name, site.classes))
         for site in self.sites[1:]:
             module = site.module
-            island, context = self.is_island(site), self.mode_on and site.has_rule
-            if island and self.autocast_on:
-                self._trace_forward(module, region=False, island=True)
-            if island or context:
-                hooks = _SiteHooks(self, site, island=island, context=context)
+            island, region = self.is_island(site), self.context_region(site)
+            if island and self.autocast_on:  # torch.compile: autocast off as a with block
+                assert self.casting is not None
+                self._replace_forward(
+                    module, TracedForward(self.casting.device_types, module.forward)
+                )
+            if island or region is not None:
+                hooks = _SiteHooks(self, site, island=island, region=region)
                 handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
                 handles.append(module.register_forward_hook(hooks.post, always_call=True))
-            if _entry_point(site) and (
+            if entry_point(site) and (
                 self.casting is not None or (self.cast_params and is_low_precision(site.dtype))
             ):
                 # registered after the site's own hooks, pre-hook prepended: the entry's
                 # pre-hook runs first and its post-hook last, so it wraps them
-                entry = _EntryHooks(self, site, _ancestors(site, by_name))
+                entry = EntryHooks(self, site, ancestors(site, by_name))
                 handles.append(
                     module.register_forward_pre_hook(entry.pre, with_kwargs=True, prepend=True)
                 )
                 handles.append(module.register_forward_hook(entry.post, always_call=True))
 
-    def _trace_forward(self, module: nn.Module, *, region: bool, island: bool) -> None:
-        """Give ``module`` a :class:`TracedForward` (what it does under ``torch.compile``)."""
-        assert self.casting is not None
+    def _replace_forward(self, module: nn.Module, forward: Any) -> None:
+        """Make ``forward`` the module's ``forward`` attribute (undone by :meth:`remove`)."""
         previous = vars(module).get("forward")  # an instance attribute of its own, if any
-        traced = TracedForward(self.casting, module.forward, region=region, island=island)
-        module.forward = traced  # type: ignore[method-assign]
-        self._traced.append((module, traced, previous))
+        module.forward = forward  # type: ignore[method-assign]
+        self._traced.append((module, forward, previous))
 
     def remove(self) -> None:
-        """Remove every hook :meth:`install` registered, and every :class:`TracedForward`."""
+        """Remove every hook :meth:`install` registered, and every forward it replaced."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -205,81 +181,135 @@ class ModelCasting(CopyOnly):
                     module.forward = previous  # type: ignore[method-assign]
         self._traced.clear()
 
-    def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._sentinel is not None and self._sentinel[1].dtype != self._sentinel[2]:
-            recast_error(self.policy, *self._sentinel)
-        undo: list[Any] = []
-        try:
-            if self.casting is not None and not torch.compiler.is_compiling():
-                # (compiling: the root's TracedForward opens the region instead)
-                self.casting.enter()
-                undo.append(self.casting.exit)
-            if self._root_island or self._root_context:
-                undo.extend(_enter_site(self, self.sites[0], island=self._root_island))
-        except BaseException:
-            for step in reversed(undo):
-                step()
-            raise
-        self.depth += 1
-        undo.append(self.leave)
-        _hooks_local.stack.append((module, undo))
-        dtype = self.input_dtype
-        if dtype is not None:
-            return cast_floating(args, dtype), cast_floating(kwargs, dtype)
-        return None
+    def _model_region(self) -> Region | None:
+        """The region with no module context, when this model's kernels decide some ops."""
+        return self.casting.regions[None] if self.casting is not None and self.intercepts else None
 
     def leave(self) -> None:
         """One forward of this model (root or entry) ended."""
         self.depth -= 1
 
-    def _root_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        _undo(module)
+    def forward(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the root's own ``forward`` inside the model's boundary, eagerly: the region
+        open, inputs cast to the root's dtype, outputs to ``policy.output``."""
+        if self._sentinel is not None and self._sentinel[1].dtype != self._sentinel[2]:
+            recast_error(self.policy, *self._sentinel)
+        undo: list[Any] = []
+        try:
+            casting = self.casting
+            if casting is not None:
+                contexts = casting.enter()
+                undo.append(lambda: casting.exit(contexts))
+            if self._root_island or self._root_region is not None:
+                undo.extend(_enter_site(self, self._root_region, island=self._root_island))
+            self.depth += 1
+            undo.append(self.leave)
+            dtype = self.input_dtype
+            if dtype is not None:
+                args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+            output = forward(*args, **kwargs)
+        finally:
+            for step in reversed(undo):
+                step()
         if output is None:
             return None
-        # only the op-casting mode is lost in a reentrant recomputation (autocast is restored)
-        if not torch.compiler.is_compiling() and self.reentrant.due and self.mode_on:
-            (known, context), casting = self._plain, self.casting
-            restore = (
-                functools.partial(recomputation, casting, context)
-                if known and casting is not None
-                else None
-            )
-            self.reentrant.after_forward(output, restore)
+        if self.intercepts:
+            anchor(output)  # a recomputation in backward finds the forward's regions
+        return cast_floating(output, self.output_dtype)
+
+    def traced_forward(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What :meth:`forward` does, in the form ``torch.compile`` traces: autocast as
+        ``with`` blocks, the regions as the graph's ``mixprec::enter_region`` and
+        ``mixprec::exit_region`` operators (:mod:`mixprec_torch.regions`)."""
+        if self._sentinel is not None and self._sentinel[1].dtype != self._sentinel[2]:
+            recast_error(self.policy, *self._sentinel)
+        casting = self.casting
+        regions = [r.id for r in (self._model_region(), self._root_region) if r is not None]
+        inner = forward
+        if self._root_island and self.autocast_on:
+            assert casting is not None
+            types = casting.device_types
+
+            def inner(*a: Any, **k: Any) -> Any:
+                return autocast_each(types, None, forward, *a, **k)
+
+        for region in regions:
+            torch.ops.mixprec.enter_region(region)
+        self.depth += 1
+        try:
+            dtype = self.input_dtype
+            if dtype is not None:
+                args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+            if casting is not None and casting.autocast is not None:
+                output = autocast_each(
+                    casting.device_types, casting.autocast, inner, *args, **kwargs
+                )
+            else:
+                output = inner(*args, **kwargs)
+        finally:
+            self.depth -= 1
+            for region in reversed(regions):
+                torch.ops.mixprec.exit_region(region)
+        if output is None:
+            return None
         return cast_floating(output, self.output_dtype)
 
 
-def _undo(module: nn.Module) -> None:
-    """Run the undo steps the pre-hook of ``module`` pushed (nothing if it pushed none)."""
-    stack = _hooks_local.stack
-    if stack and stack[-1][0] is module:
-        for step in reversed(stack.pop()[1]):
-            step()
+class _Boundary(CopyOnly):
+    """The root's ``forward`` attribute: the model's own forward inside its boundary, eagerly
+    (:meth:`ModelCasting.forward`) or as ``torch.compile`` traces it
+    (:meth:`ModelCasting.traced_forward`). A forward, not hooks: a compiled wrapped model is
+    one frame and one graph (dynamo compiles a user-defined module's hooks as frames of their
+    own), and the root's call takes PyTorch's fast path when no hook of the user's own is
+    registered.
+
+    :param owner: the model's casting plan.
+    :param forward: the root's own ``forward`` (bound).
+    """
+
+    def __init__(self, owner: ModelCasting, forward: Any) -> None:
+        self.owner = owner
+        self.forward = forward
+        self.__wrapped__ = forward  # inspect.signature(model.forward) sees the real one
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.owner.traced_forward(self.forward, args, kwargs)
+        return self.owner.forward(self.forward, args, kwargs)
 
 
-def _enter_site(owner: ModelCasting, site: ModuleSite, *, island: bool) -> list[Any]:
-    """Push the site's decision context and/or turn autocast off; return the undo steps."""
+def _enter_site(owner: ModelCasting, region: Region | None, *, island: bool) -> list[Any]:
+    """Open the site's context region and/or turn autocast off; return the undo steps."""
     undo: list[Any] = []
     casting = owner.casting
-    if casting is not None and casting.table and site.has_rule:
-        contexts = context_stack()
-        contexts.append(DecisionContext(site.name, site.classes))
-        undo.append(contexts.pop)
+    if region is not None:
+        undo.append(_open(region))
     if island and casting is not None and casting.autocast is not None:
-        if not torch.compiler.is_compiling():  # else the island's TracedForward does it
+        if not torch.compiler.is_compiling():  # else a TracedForward or the boundary does it
             undo.append(disable_autocast(casting.device_types))
     return undo
+
+
+def _open(region: Region) -> Any:
+    """Open ``region`` (eagerly on this thread, or as the graph's operator while compiling);
+    return what closes it."""
+    if torch.compiler.is_compiling():
+        torch.ops.mixprec.enter_region(region.id)
+        return lambda: torch.ops.mixprec.exit_region(region.id)
+    push(region)
+    return pop
 
 
 class _SiteHooks(CopyOnly):
     """Forward pre/post hooks of one island or context module."""
 
     def __init__(
-        self, owner: ModelCasting, site: ModuleSite, *, island: bool, context: bool
+        self, owner: ModelCasting, site: ModuleSite, *, island: bool, region: Region | None
     ) -> None:
         self.owner = owner
         self.site = site
         self.island = island
-        self.context = context
+        self.region = region
         self.pin = torch_dtype(site.pin) if island and site.pin is not None else None
         self.cast_back = (
             torch_dtype(site.outer)
@@ -288,112 +318,13 @@ class _SiteHooks(CopyOnly):
         )
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        _hooks_local.stack.append((module, _enter_site(self.owner, self.site, island=self.island)))
+        hooks_local.stack.append((module, _enter_site(self.owner, self.region, island=self.island)))
         if self.pin is not None:
             return cast_floating(args, self.pin), cast_floating(kwargs, self.pin)
         return None
 
     def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        _undo(module)
+        undo(module)
         if self.cast_back is not None and output is not None:
             return cast_floating(output, self.cast_back)
         return None
-
-
-def _entry_point(site: ModuleSite) -> bool:
-    """Whether users plausibly call this module on its own: a child of the root, or a
-    module holding others (a block, an encoder)."""
-    return "." not in site.name or next(site.module.children(), None) is not None
-
-
-def _ancestors(site: ModuleSite, by_name: dict[str, ModuleSite]) -> list[ModuleSite]:
-    """The sites above ``site``, nearest first, root last."""
-    out: list[ModuleSite] = []
-    name = site.name
-    while name:
-        name = name.rpartition(".")[0]
-        out.append(by_name[name])
-    return out
-
-
-class _EntryHooks:
-    """The boundary of one module called from outside its model's forward.
-
-    Opens what the model's forward would have open around this module (the op-casting
-    region, the nearest ruled ancestor's decision context, autocast off under a pinned
-    ancestor), casts floating inputs to the module's dtype and outputs to ``policy.output``.
-    """
-
-    def __init__(self, owner: ModelCasting, site: ModuleSite, ancestors: list[ModuleSite]) -> None:
-        self.owner = owner
-        self.input = (
-            torch_dtype(site.dtype) if owner.cast_params and is_low_precision(site.dtype) else None
-        )
-        ruled = [a for a in ancestors if a.has_rule] if owner.mode_on else []
-        self.context = DecisionContext(ruled[0].name, ruled[0].classes) if ruled else None
-        self.autocast_off = any(owner.is_island(a) for a in ancestors) and owner.autocast_on
-        self.recomputing = False
-        """Whether the running entry is an activation checkpoint's recomputation."""
-
-    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        owner = self.owner
-        if owner.depth:
-            return None  # inside the model's forward: the root's boundary holds already
-        if torch.compiler.is_compiling():
-            return _entry_pre_eagerly(self, module, args, kwargs)
-        return self._pre(module, args, kwargs)
-
-    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        owner = self.owner
-        # Called during backward: torch.utils.checkpoint recomputing this module. It ran
-        # inside the forward's region, so it gets the region, context and autocast state
-        # back, but no boundary casts (the forward had none here): the recomputed tensors
-        # must match the saved ones in dtype, and the gradients those of the forward.
-        self.recomputing = in_backward()
-        undo: list[Any] = []
-        try:
-            casting = owner.casting
-            if casting is not None:
-                casting.enter()
-                undo.append(casting.exit)
-                if self.context is not None:
-                    contexts = context_stack()
-                    contexts.append(self.context)
-                    undo.append(contexts.pop)
-                if self.autocast_off:
-                    undo.append(disable_autocast(casting.device_types))
-        except BaseException:
-            for step in reversed(undo):
-                step()
-            raise
-        owner.depth += 1
-        undo.append(owner.leave)
-        _hooks_local.stack.append((module, undo))
-        if self.input is not None and not self.recomputing:
-            return cast_floating(args, self.input), cast_floating(kwargs, self.input)
-        return None
-
-    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        stack = _hooks_local.stack
-        if not (stack and stack[-1][0] is module and self.owner.depth):
-            return None  # the pre-hook entered nothing (the site's own hooks popped theirs)
-        if torch.compiler.is_compiling():
-            return _entry_post_eagerly(self, module, args, output)
-        return self._post(module, args, output)
-
-    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        _undo(module)
-        if output is None or self.recomputing:
-            return None
-        return cast_floating(output, self.owner.output_dtype)
-
-
-# A module compiled on its own (``torch.compile(model.encoder)``, not the wrapped root) runs
-# its entry hooks eagerly: one graph break each, and its forward compiles inside the region
-# they open (a compiled root opens it in its TracedForward, without a break).
-_EAGER_ENTRY = (
-    "mixprec: a module of a wrapped model compiled on its own opens its boundary eagerly; "
-    "compile the wrapped model itself for no graph break"
-)
-_entry_pre_eagerly = torch.compiler.disable(_EntryHooks._pre, reason=_EAGER_ENTRY)
-_entry_post_eagerly = torch.compiler.disable(_EntryHooks._post, reason=_EAGER_ENTRY)

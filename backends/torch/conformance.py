@@ -22,6 +22,7 @@ from mixprec.policy import Policy
 from .autocast import OpCasting, region
 from .devices import capabilities
 from .dtypes import dtype_name, torch_dtype
+from .kernels import install
 from .loop import master_params, scale_loss, state
 from .ops import supported_ops
 from .optimizer_state import optimizer_state
@@ -64,6 +65,7 @@ class TorchAdapter:
         casting = self._castings.get(policy)
         if casting is None:
             casting = self._castings[policy] = OpCasting(policy, (torch.device(self.device).type,))
+            install(casting)
         n, run = PROBES[op][0]
         dtype = torch_dtype(input_dtype)
         with torch.no_grad(), region(casting):

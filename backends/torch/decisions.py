@@ -1,9 +1,9 @@
-"""The O1 op-casting mode's answers, decided at wrap time and looked up while a forward runs.
+"""O1's answers, decided at wrap time and looked up while a forward runs.
 
-:class:`~mixprec_torch.autocast.PolicyMode` needs, for every intercepted call, the dtype
+O1's kernels (:mod:`mixprec_torch.kernels`) need, for every operator they run, the dtype
 ``Policy.decide`` gives the op for the call's floating inputs in the current module context.
-``decide`` matches rules (globs, class names), which is too slow to run per call and which
-``torch.compile`` cannot trace without graph breaks. So the answers are prepared once:
+``decide`` matches rules (globs, class names), which is too slow to run per call. So the
+answers are prepared once:
 :class:`Decisions` holds them keyed by (op, decision context, input key), filled at wrap time
 for every intercepted op, every decision context of the model's modules, and every
 combination of the float16, bfloat16, float32 and float64 inputs an op can receive
@@ -145,17 +145,23 @@ class Decisions:
             return err
         return torch_dtype(decision.dtype)
 
-    def dtype(self, op: str, context: DecisionContext | None, key: InputKey) -> torch.dtype:
-        """The dtype ``op`` runs in: lookups (``decide`` only for an unprepared key).
-
-        :raises PolicyError: what ``Policy.decide`` raised for this call.
-        """
+    def answer(self, op: str, context: DecisionContext | None, key: InputKey) -> Answer:
+        """The dtype ``op`` runs in, or the error ``decide`` raised: lookups (``decide``
+        only for an unprepared key, remembered)."""
         table = self.tables.get(context)
         if table is None:
             table = self.prepare(context)
         answer = table.get((op, key))
         if answer is None:
             answer = table[(op, key)] = self._decide(op, context, key)
+        return answer
+
+    def dtype(self, op: str, context: DecisionContext | None, key: InputKey) -> torch.dtype:
+        """The dtype ``op`` runs in (:meth:`answer`).
+
+        :raises PolicyError: what ``Policy.decide`` raised for this call.
+        """
+        answer = self.answer(op, context, key)
         if isinstance(answer, PolicyError):
             raise PolicyError(*answer.args)
         return answer

@@ -1,18 +1,18 @@
-"""The map from mixprec's neutral op families to PyTorch callables.
+"""The map from mixprec's neutral op families to PyTorch: callables and ATen operators.
 
-:data:`TORCH_OPS` lists, for each family of :data:`mixprec.ops.OP_FAMILIES`, the entry points
-through which PyTorch code reaches it: ``torch.nn.functional`` functions, ``torch``
-functions and ``Tensor`` methods (operators such as ``a @ b`` arrive as ``Tensor.matmul``).
-The op-casting mode (:mod:`mixprec_torch.autocast`) intercepts these callables, never the
-ATen ops beneath them: the first listed function a call reaches decides its family, so
-``F.multi_head_attention_forward`` is one ``attention`` op and its inner linears and
-softmax follow that decision.
+:data:`ATEN_OPS` lists, for each family of :data:`mixprec.ops.OP_FAMILIES`, the ATen operator
+overloads a call of the family reaches first in torch's dispatcher (``F.softmax``,
+``torch.softmax`` and ``Tensor.softmax`` all reach ``aten::softmax.int``; ``a @ b`` reaches
+``aten::matmul``). O1 decides dtypes there, at the Autocast dispatch key, as
+``torch.autocast`` does (:mod:`mixprec_torch.kernels`): a composite operator's own decision
+covers the operators it runs (``aten::cross_entropy_loss`` decides for the ``log_softmax`` and
+``nll_loss`` inside it), and a Python function is the operators it calls
+(``F.multi_head_attention_forward`` is linears, a softmax and batched products, each decided
+by its own family). :data:`TORCH_OPS` lists the Python callables of each family, for reading
+and for the probes.
 
-Native names: a policy may also list ``"torch:<name>"``. ``<name>`` is looked up as a
-``torch.nn.functional``, ``torch`` and ``Tensor`` attribute (all that exist are
-intercepted); ``"torch:aten::addmm.out"`` drops the ``aten::`` namespace and the overload;
-dotted paths such as ``"torch:torch.linalg.svd"`` or ``"torch:nn.functional.prelu"`` name one
-callable.
+Native names: a policy may also list ``"torch:<name>"``; :mod:`mixprec_torch.aten` resolves
+them (and the families) to the overloads of this torch build.
 
 The representative calls that test what each family produces (and
 :func:`~mixprec_torch.probes.autocast_dtypes`, which runs them) live in
@@ -21,26 +21,15 @@ The representative calls that test what each family produces (and
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mixprec.errors import PolicyError
 from mixprec.ops import OP_FAMILIES
 
-__all__ = [
-    "NORM_ARGS",
-    "NORM_PARAMS_KW",
-    "NORM_STATS_KW",
-    "TORCH_OPS",
-    "callables_for",
-    "family_of",
-    "native_callables",
-    "supported_ops",
-]
+__all__ = ["ATEN_OPS", "NORM_ARGS", "TORCH_OPS", "supported_ops"]
 
 T = torch.Tensor
 
@@ -177,71 +166,151 @@ TORCH_OPS: dict[str, tuple[Callable[..., Any], ...]] = {
 }
 assert set(TORCH_OPS) <= set(OP_FAMILIES), set(TORCH_OPS) - set(OP_FAMILIES)
 
-#: Batch and instance norm take running statistics that they update in place, and accept
-#: float32 weights and statistics with a low-precision input: callable -> (positions of
-#: the statistics, positions of weight and bias). Keywords use the names below.
-NORM_ARGS: dict[Callable[..., Any], tuple[tuple[int, int], tuple[int, int]]] = {
-    F.batch_norm: ((1, 2), (3, 4)),
-    torch.batch_norm: ((3, 4), (1, 2)),
-    F.instance_norm: ((1, 2), (3, 4)),
-    torch.instance_norm: ((3, 4), (1, 2)),
+#: Neutral family -> the ATen operator overloads its calls reach first (see the docstring).
+ATEN_OPS: dict[str, tuple[str, ...]] = {
+    "linear": ("linear", "bilinear", "addmm", "addmm.dtype"),
+    "matmul": (
+        "matmul",
+        "mm",
+        "mm.dtype",
+        "mv",
+        "dot",
+        "vdot",
+        "addmv",
+        "inner",
+        "outer",
+        "einsum",
+        "tensordot",
+        "linalg_vecdot",
+        "linalg_multi_dot",
+        "chain_matmul",
+    ),
+    "bmm": ("bmm", "bmm.dtype", "baddbmm", "baddbmm.dtype", "addbmm"),
+    "conv": (
+        "conv1d",
+        "conv1d.padding",
+        "conv2d",
+        "conv2d.padding",
+        "conv3d",
+        "conv3d.padding",
+        "conv_tbc",
+        "convolution",
+    ),
+    "conv_transpose": ("conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input"),
+    "attention": ("scaled_dot_product_attention", "_native_multi_head_attention"),
+    "rnn_cell": (
+        "lstm_cell",
+        "gru_cell",
+        "rnn_tanh_cell",
+        "rnn_relu_cell",
+        "lstm.input",
+        "lstm.data",
+        "gru.input",
+        "gru.data",
+        "rnn_tanh.input",
+        "rnn_tanh.data",
+        "rnn_relu.input",
+        "rnn_relu.data",
+    ),
+    "softmax": ("softmax.int", "special_softmax"),
+    "log_softmax": ("log_softmax.int", "special_log_softmax"),
+    "exp": ("exp",),
+    "log": ("log",),
+    "pow": ("pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar"),
+    "layer_norm": ("layer_norm", "rms_norm"),
+    "group_norm": ("group_norm",),
+    "batch_norm": ("batch_norm",),
+    "instance_norm": ("instance_norm",),
+    "norm": (
+        "norm.Scalar",
+        "norm.ScalarOpt_dim",
+        "norm.ScalarOpt_dim_dtype",
+        "norm.ScalarOpt_dtype",
+        "linalg_norm",
+        "linalg_norm.ord_str",
+        "linalg_vector_norm",
+        "linalg_matrix_norm",
+        "linalg_matrix_norm.str_ord",
+        "frobenius_norm.dim",
+        "nuclear_norm",
+        "nuclear_norm.dim",
+    ),
+    "sum": ("sum", "sum.dim_IntList", "nansum"),
+    "prod": ("prod", "prod.dim_int"),
+    "cumsum": ("cumsum",),
+    "logsumexp": ("logsumexp", "special_logsumexp"),
+    "cross_entropy": ("cross_entropy_loss",),
+    "nll_loss": ("nll_loss_nd", "nll_loss", "nll_loss2d"),
+    "mse_loss": ("mse_loss",),
+    "l1_loss": ("l1_loss",),
+    "smooth_l1_loss": ("smooth_l1_loss",),
+    "kl_div": ("kl_div",),
+    "binary_cross_entropy_with_logits": ("binary_cross_entropy_with_logits",),
+    "binary_cross_entropy": ("binary_cross_entropy",),
+    "add": ("add.Tensor", "add.Scalar"),
+    "sub": (
+        "sub.Tensor",
+        "sub.Scalar",
+        "subtract.Tensor",
+        "subtract.Scalar",
+        "rsub.Tensor",
+        "rsub.Scalar",
+    ),
+    "mul": ("mul.Tensor", "mul.Scalar", "multiply.Tensor", "multiply.Scalar"),
+    "div": (
+        "div.Tensor",
+        "div.Scalar",
+        "div.Tensor_mode",
+        "div.Scalar_mode",
+        "divide.Tensor",
+        "divide.Scalar",
+        "divide.Tensor_mode",
+        "divide.Scalar_mode",
+        "true_divide.Tensor",
+        "true_divide.Scalar",
+    ),
+    "cat": ("cat", "concat", "concatenate"),
+    "stack": ("stack",),
+    "addcmul": ("addcmul",),
+    "addcdiv": ("addcdiv",),
+    "where": ("where.self", "where.ScalarOther", "where.ScalarSelf"),
+    "relu": ("relu",),
+    "gelu": ("gelu",),
+    "silu": ("silu",),
+    "sigmoid": ("sigmoid",),
+    "tanh": ("tanh",),
+    "dropout": ("dropout", "feature_dropout", "alpha_dropout"),
+    "max_pool": (
+        "max_pool1d",
+        "max_pool2d",
+        "max_pool3d",
+        "max_pool2d_with_indices",
+        "max_pool3d_with_indices",
+        "adaptive_max_pool1d",
+        "adaptive_max_pool2d",
+        "adaptive_max_pool3d",
+    ),
+    "avg_pool": (
+        "avg_pool1d",
+        "avg_pool2d",
+        "avg_pool3d",
+        "adaptive_avg_pool1d",
+        "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d",
+    ),
+    "embedding": ("embedding", "embedding_bag", "embedding_bag.padding_idx"),
 }
-NORM_STATS_KW = ("running_mean", "running_var")
-NORM_PARAMS_KW = ("weight", "bias")
+assert set(ATEN_OPS) == set(TORCH_OPS), set(ATEN_OPS) ^ set(TORCH_OPS)
 
-_FAMILY_OF: dict[Callable[..., Any], str] = {
-    fn: family for family, fns in TORCH_OPS.items() for fn in fns
+#: Batch and instance norm take running statistics that they update in place, and accept
+#: float32 weights and statistics with a low-precision input: ATen operator -> (positions of
+#: the statistics, positions of weight and bias).
+NORM_ARGS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "aten::batch_norm": ((3, 4), (1, 2)),
+    "aten::instance_norm": ((3, 4), (1, 2)),
 }
 
 
 def supported_ops() -> tuple[str, ...]:
     """The neutral families this backend maps, in :data:`mixprec.ops.OP_FAMILIES` order."""
     return tuple(op for op in OP_FAMILIES if op in TORCH_OPS)
-
-
-def family_of(fn: Callable[..., Any]) -> str | None:
-    """The family a torch callable belongs to, or None."""
-    return _FAMILY_OF.get(fn)
-
-
-@functools.cache
-def native_callables(name: str) -> tuple[Callable[..., Any], ...]:
-    """The callables a ``"torch:<name>"`` op names (see the module docstring).
-
-    :raises PolicyError: nothing in this torch build has that name.
-    """
-    native = name.split(":", 1)[1] if name.startswith("torch:") else name
-    if native.startswith("aten::"):
-        native = native[len("aten::") :].split(".", 1)[0]
-    found: list[Callable[..., Any]] = []
-    if "." in native:
-        parts = native.split(".")
-        obj: Any = torch
-        for part in parts[1:] if parts[0] == "torch" else parts:
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if obj is not None and callable(obj):
-            found.append(obj)
-    else:
-        for root in (F, torch, T):
-            value = getattr(root, native, None)
-            if value is not None and callable(value) and value not in found:
-                found.append(value)
-    if not found:
-        raise PolicyError(
-            f"op {name!r}: torch {torch.__version__} has no torch.nn.functional, torch or Tensor "
-            f"callable named {native!r}; name a neutral family or an existing callable, such as "
-            "'torch:aten::addmm', 'torch:prelu' or 'torch:torch.linalg.svd'"
-        )
-    return tuple(found)
-
-
-def callables_for(op: str) -> tuple[Callable[..., Any], ...]:
-    """The torch callables of a neutral family or a ``"torch:"`` name (other backends' native
-    names map to nothing here)."""
-    if op in TORCH_OPS:
-        return TORCH_OPS[op]
-    if op.startswith("torch:"):
-        return native_callables(op)
-    return ()

@@ -14,7 +14,10 @@ that raises leaves the models, the optimizers and their state exactly as they we
    module dtypes and tied weights are decided (:mod:`mixprec_torch.sites`), every parameter
    and buffer must live on a device that computes the policy's dtypes, and lint: loss
    scaling without masters for low-precision parameters is refused, an Adam ``eps`` that
-   underflows in the state dtype warns (:class:`mixprec.MixprecWarning`).
+   underflows in the state dtype warns (:class:`mixprec.MixprecWarning`); under O1, a
+   kernel another library (or the user's own ``torch.library`` code) registered at an
+   Autocast key for an operator the policy decides is refused by name
+   (:func:`mixprec_torch.kernels.foreign`), before mixprec would replace it.
 
 The result, a :class:`WrapPlan`, is what :mod:`mixprec_torch.wrapping` applies.
 """
@@ -40,6 +43,7 @@ from .checkpoint import ModelCheckpoint
 from .copies import CopyOnly
 from .devices import capabilities, device_capability
 from .dtypes import dtype_name
+from .kernels import foreign
 from .optimizer import check_patchable
 from .optimizer_state import WrapGroup
 from .sharding import check_fsdp_policy, is_fsdp_managed
@@ -153,7 +157,9 @@ def plan_wrap(
     _check_devices(models, policy, planned)
     if _needs_op_casting(policy):
         for model, casting in zip(models, castings, strict=True):
-            casting.set_op_casting(OpCasting(policy, _device_types([model])))
+            op_casting = OpCasting(policy, _device_types([model]))
+            _check_kernels(op_casting)
+            casting.set_op_casting(op_casting)
     plan = WrapPlan(models, optimizers, params, policy, device, fsdp, castings, planned)
     names = {pid: name for pid, (name, _) in params.items()}
     _lint(optimizers, policy, names, planned, plan.masters_on)
@@ -353,6 +359,20 @@ def _lint(
             warnings.warn(worst, MixprecWarning, stacklevel=5)
     unique = list(dict.fromkeys(lowp_direct))
     check_scaler_without_masters(policy, unique)
+
+
+def _check_kernels(casting: OpCasting) -> None:
+    """Refuse a policy whose kernels would replace another library's (or the user's own)."""
+    taken = foreign(casting.claims())
+    if taken:
+        shown = "; ".join(taken[:6]) + ("; ..." if len(taken) > 6 else "")
+        raise WrapError(
+            f"policy {casting.policy.label} decides these operators at torch's autocast "
+            f"dispatch key, where another kernel is registered already: {shown}. mixprec "
+            "will not replace it. Remove that registration (do not import the library that "
+            "makes it, or destroy your own torch.library.Library), or use a policy that "
+            "leaves these op families to torch.autocast (their lists as autocast has them)"
+        )
 
 
 def _needs_op_casting(policy: Policy) -> bool:

@@ -1,49 +1,49 @@
-"""Activation checkpointing: a recomputation casts exactly as the forward did.
+"""Activation checkpointing: a recomputation casts exactly as the forward did, with no change
+to the user's code.
 
-``torch.utils.checkpoint`` recomputes a checkpointed function during backward, outside the
-wrapped model's forward. It restores the autocast state of the forward itself, but not the
-op-casting mode (:class:`~mixprec_torch.autocast.PolicyMode`) nor the module decision
-context, so under O1 a recomputed ``softmax`` would run in bfloat16 where the forward ran it
-in float32: ``CheckpointError`` (non-reentrant) or silently different gradients (reentrant).
+``torch.utils.checkpoint`` recomputes a checkpointed callable during backward, after the
+wrapped model's forward returned. It restores the forward's autocast state itself; O1's
+decisions come back through torch's own dispatch: the kernels at the Autocast key find the
+region the forward ran in from the autograd node being run (:mod:`mixprec_torch.regions`),
+for every kind of checkpointed callable (a module, a bound method, a ``functools.partial``,
+a lambda, ``checkpoint_sequential``) and both ``use_reentrant`` modes.
 
-Two pieces put them back:
-
-- a checkpointed *module* of a wrapped model (``checkpoint(self.block, x)``, Hugging Face
-  ``gradient_checkpointing_enable()``, ``checkpoint_sequential``) is recomputed through its
-  entry hooks (:mod:`mixprec_torch.casting`), which see that they run during backward and
-  re-open the region and context without the boundary casts the forward did not have;
-- a checkpointed plain *function* cannot be seen by any hook: pass
-  :func:`checkpoint_context` as ``context_fn`` (non-reentrant checkpointing only, PyTorch's
-  own restriction), or checkpoint a module that calls it. Under reentrant checkpointing
-  :mod:`mixprec_torch.reentrant` repairs a plain function's recomputation through its graph
-  node, or warns (``ReentrantCheckpointWarning``) where its decision context is unknown.
+:func:`checkpoint_context` is kept for code written against earlier versions (and for a
+checkpoint nested inside a recomputed plain function, which no forward recorded): as a
+``context_fn`` it reopens the region in force where ``checkpoint`` was called.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
-from .autocast import active_casting, context_stack, recomputation
+from .regions import Region, current, pop, push
 
 __all__ = ["checkpoint_context"]
 
 
+@contextmanager
+def _reopened(region: Region) -> Iterator[None]:
+    push(region)
+    try:
+        yield
+    finally:
+        pop()
+
+
 def checkpoint_context() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
-    that makes the recomputation of a plain function cast as its forward did::
+    that reopens the region of the forward around the recomputation::
 
         h = torch.utils.checkpoint.checkpoint(
             attention, q, k, v, use_reentrant=False, context_fn=mixprec.torch.checkpoint_context
         )
 
-    Called by ``checkpoint`` inside the wrapped model's forward, it notes the op casting and
-    the module decision context in force there; the second context manager puts them back
-    around the recomputation in backward. Outside an O1 region (O0, O2, a policy that runs
-    autocast alone) both are no-ops. Checkpointed modules of a wrapped model need no
-    ``context_fn``: their hooks restore the same state.
+    Not needed any more: a recomputation finds its forward's region by itself. Outside a
+    region (O0, O2, a policy that runs autocast alone) both context managers do nothing.
     """
-    casting = active_casting()
-    if casting is None:
+    region = current()
+    if region is None:
         return nullcontext(), nullcontext()
-    contexts = context_stack()
-    return nullcontext(), recomputation(casting, contexts[-1] if contexts else None)
+    return nullcontext(), _reopened(region)

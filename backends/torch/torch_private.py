@@ -11,6 +11,7 @@ equivalent, or its public equivalent is slower on the per-step hot path.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 import weakref
 from collections.abc import Callable
@@ -20,21 +21,28 @@ import torch
 
 __all__ = [
     "compiled_inner",
+    "dispatch_key",
+    "excluding",
     "foreach_copy_",
     "foreach_norm_float32",
     "foreach_zero_",
     "in_backward",
     "is_scheduler_step_wrapper",
+    "kernel_origin",
+    "keys_after",
     "mark_step_hooked",
+    "never_compiled",
+    "next_sequence_nr",
     "non_finite_check_and_unscale_",
+    "op_schema",
     "problems",
-    "reentrant_checkpoint_function",
+    "running_node_sequence_nr",
     "scheduler_step_wrapper",
-    "set_reentrant_checkpoint_function",
     "sole_owner",
     "sparse_values",
     "tensor_version",
     "tensor_versions",
+    "tracing_context",
 ]
 
 
@@ -202,33 +210,157 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def reentrant_checkpoint_function(node: Any) -> Callable[..., Any] | None:
-    """The callable a reentrant ``torch.utils.checkpoint`` checkpointed, when ``node`` (an
-    autograd graph node) is that checkpoint's backward node; None for any other node.
+# -------------------------------------------------------------------------------------------
+# O1 at torch's Autocast dispatch keys (mixprec_torch.kernels, mixprec_torch.regions)
 
-    Why private: reentrant checkpointing is the autograd Function ``CheckpointFunction``,
-    whose graph node is its ``ctx``; the node's class name ``CheckpointFunctionBackward`` and
-    ``ctx.run_function`` are not public, and nothing public says what a checkpoint will
-    recompute (:mod:`mixprec_torch.reentrant` warns for plain functions there).
+
+def dispatch_key(kind: str, device_type: str) -> torch.DispatchKey:
+    """The dispatch key of ``kind`` (``"Autocast"``, ``"Autograd"``) for a device type:
+    ``("Autocast", "cpu")`` -> ``AutocastCPU``.
+
+    Why private: ``torch._C._dispatch_key_for_device`` is the only map from a device type to
+    its dispatch key name (``torch.library.register_autocast`` builds the key the same way).
     """
-    if type(node).__name__ != "CheckpointFunctionBackward":
+    return getattr(torch.DispatchKey, kind + torch._C._dispatch_key_for_device(device_type))  # type: ignore[no-any-return]
+
+
+def keys_after(key: torch.DispatchKey) -> torch.DispatchKeySet:
+    """Every dispatch key below ``key``: the keys a kernel at ``key`` that falls through
+    hands its call on to (``op.redispatch(keyset & keys_after(key), ...)``).
+
+    Why private: ``torch._C._dispatch_keyset_full_after`` is the only way to build that set
+    (what the C++ dispatcher does for a fallthrough kernel).
+    """
+    return torch._C._dispatch_keyset_full_after(key)
+
+
+def excluding(key: torch.DispatchKey) -> Any:
+    """A context manager under which ``key`` is skipped for every op (the thread's
+    excluded set), as torch's own autocast kernels run the op they cast.
+
+    Why private: ``torch._C._ExcludeDispatchKeyGuard`` is what ``torch.library.register_autocast``
+    itself uses; there is no public name.
+    """
+    return torch._C._ExcludeDispatchKeyGuard(torch.DispatchKeySet(key))
+
+
+def kernel_origin(op_name: str, key: torch.DispatchKey) -> str | None:
+    """Where the kernel registered for ``op_name`` (``"aten::softmax.int"``) at ``key`` itself
+    was registered (``"registered at /path/file.py:12"``); None when nothing is registered at
+    that key (a fallthrough, or a kernel that comes from an alias key such as Autograd).
+
+    Why private: ``torch._C._dispatch_has_kernel_for_dispatch_key`` tells a registration at
+    the key itself from a computed one; the origin is the debug text of the public
+    ``torch.library.get_kernel``.
+    """
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key):
         return None
-    fn = getattr(node, "run_function", None)
-    return fn if callable(fn) else None
+    text = repr(torch.library.get_kernel(op_name, key))
+    found = re.search(r"debug='(.*)'\)$", text)
+    return found.group(1) if found else text
 
 
-def set_reentrant_checkpoint_function(node: Any, fn: Callable[..., Any]) -> None:
-    """Make the reentrant checkpoint whose backward node is ``node`` recompute ``fn``.
+def never_compiled(fn: Callable[..., Any]) -> None:
+    """Make ``torch.compile`` run ``fn`` (and what it calls) as it is, never trace it.
 
-    Why private: ``CheckpointFunction.backward`` calls ``ctx.run_function`` (the node is the
-    ``ctx``); replacing it is the only way to run a plain function's recomputation under the
-    forward's op casting, as reentrant checkpointing takes no ``context_fn``.
+    The O1 kernels are Python called by the C++ dispatcher; where a compiled function runs
+    part of its code eagerly, dynamo would otherwise try to compile a kernel's frame as a
+    function of its own. Why private: ``torch._dynamo.eval_frame.set_code_exec_strategy``
+    marks a code object once, at no cost per call (``torch.compiler.disable`` wraps every
+    call).
     """
-    node.run_function = fn
+    from torch._dynamo.eval_frame import set_code_exec_strategy  # type: ignore[attr-defined]
+    from torch._dynamo.types import (  # type: ignore[attr-defined]
+        FrameAction,
+        FrameExecStrategy,
+    )
+
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def op_schema(op: Any) -> Any:
+    """The schema (``torch._C.FunctionSchema``) of an ATen operator overload.
+
+    Why private: ``OpOverload._schema`` is the only way to read an operator's arguments
+    from Python (``torch.library`` and torch's decompositions read it the same way).
+    """
+    return op._schema
+
+
+def next_sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will get.
+
+    Why private: ``torch.autograd._get_sequence_nr`` (what torch.fx uses to pair backward
+    nodes with their forward ops) is the only way to mark which nodes a region created; a
+    checkpoint's recomputation in backward belongs to the region whose range holds the node
+    that runs it.
+    """
+    return int(torch.autograd._get_sequence_nr())  # type: ignore[attr-defined]
+
+
+def running_node_sequence_nr() -> int | None:
+    """The sequence number of the autograd node this thread's backward is running now, or
+    None outside backward.
+
+    Why private: ``torch._C._current_autograd_node`` (used by ``torch.autograd.graph``'s
+    debugging hooks) is the only way to ask the engine which node runs; a checkpoint
+    recomputes inside the node that needs its tensors.
+    """
+    if torch._C._current_graph_task_id() == -1:
+        return None
+    node = torch._C._current_autograd_node()
+    return None if node is None else int(node._sequence_nr())
+
+
+def tracing_context() -> Any:
+    """The ``torch.compile`` tracing context of the compilation running now, or None.
+
+    Why private: ``torch._guards.TracingContext`` is dynamo's and AOTAutograd's shared state
+    of one compilation; the regions a compiled forward opens live on it while it is traced,
+    so a compilation that fails half-way leaves nothing behind.
+    """
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get()
 
 
 def _doubled(t: torch.Tensor) -> torch.Tensor:
     return t * 2
+
+
+def _check_dispatch(need: Callable[[bool, str], None]) -> None:
+    """The names the O1 kernels rely on (see the section above)."""
+    from torch.utils.checkpoint import checkpoint
+
+    key = dispatch_key("Autocast", "cpu")
+    need(key == torch.DispatchKey.AutocastCPU, "_dispatch_key_for_device('cpu') is not 'CPU'")
+    need(
+        kernel_origin("aten::linear", key) is not None and kernel_origin("aten::sin", key) is None,
+        "_dispatch_has_kernel_for_dispatch_key no longer tells autocast's own kernels apart",
+    )
+    need(
+        keys_after(key).has(torch.DispatchKey.AutogradCPU) and not keys_after(key).has(key),
+        "_dispatch_keyset_full_after no longer gives the keys below a key",
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16), excluding(key):
+        excluded = torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32
+    need(excluded, "_ExcludeDispatchKeyGuard no longer skips a dispatch key")
+    leaf = torch.ones(1, requires_grad=True)
+    start = next_sequence_nr()
+    out = checkpoint(_doubled, leaf * 1, use_reentrant=True)
+    seen: list[int | None] = []
+    out.grad_fn.register_prehook(lambda grads: seen.append(running_node_sequence_nr()))
+    out.sum().backward()
+    need(
+        running_node_sequence_nr() is None
+        and len(seen) == 1
+        and seen[0] is not None
+        and start <= seen[0] < next_sequence_nr(),
+        "_get_sequence_nr / _current_autograd_node no longer number the nodes a forward made",
+    )
+    need(tracing_context() is None, "TracingContext.try_get() is not None outside compile")
 
 
 def problems() -> list[str]:
@@ -275,23 +407,7 @@ def problems() -> list[str]:
     leaf.register_hook(lambda grad: seen.append(in_backward()))
     (leaf * 2).sum().backward()
     need(seen == [True], "torch._C._current_graph_task_id no longer tells backward apart")
-    from torch.utils.checkpoint import checkpoint
-
-    out = checkpoint(_doubled, torch.ones(1, requires_grad=True), use_reentrant=True)
-    need(
-        reentrant_checkpoint_function(out.grad_fn) is _doubled
-        and reentrant_checkpoint_function((out * 1).grad_fn) is None,
-        "a reentrant checkpoint's graph node is no longer CheckpointFunctionBackward holding "
-        "the checkpointed callable as run_function",
-    )
-    leaf = torch.ones(1, requires_grad=True)
-    out = checkpoint(_doubled, leaf, use_reentrant=True)
-    set_reentrant_checkpoint_function(out.grad_fn, lambda t: t * 3)
-    out.sum().backward()
-    need(
-        leaf.grad is not None and float(leaf.grad) == 3.0,
-        "a reentrant checkpoint's backward no longer recomputes through ctx.run_function",
-    )
+    _check_dispatch(need)
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.optim.lr_scheduler.StepLR(opt, 1)

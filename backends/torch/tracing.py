@@ -1,40 +1,26 @@
-"""What ``torch.compile`` traces where a wrapped model's hooks would open a region eagerly.
+"""What ``torch.compile`` traces where a pinned module's hooks would turn autocast off.
 
-Eagerly, a wrapped model's forward pre-hook enters autocast and the op-casting mode and its
-post-hook leaves them (:mod:`mixprec_torch.autocast`, :mod:`mixprec_torch.casting`). Dynamo
-cannot follow that: it traces a user-defined model's hooks as frames apart from its forward
-(an autocast entered there never reaches the compiled forward), and an autocast flag
-flipped in one inlined hook and restored in another breaks its bookkeeping. So ``wrap``
-gives the root of an op-casting model, and each module pinned to a dtype under autocast, a
-:class:`TracedForward` as its ``forward`` attribute: eager calls go straight through, and
-while compiling it runs the forward inside ``with`` blocks, which dynamo traces.
+Eagerly, the forward pre-hook of a module pinned to a dtype (a float32 BatchNorm under O1)
+turns autocast off and its post-hook turns it back on (:mod:`mixprec_torch.casting`). Dynamo
+cannot follow that: an autocast flag flipped in one inlined hook and restored in another
+breaks its bookkeeping. So ``wrap`` gives each such module a :class:`TracedForward` as its
+``forward`` attribute: eager calls go straight through, and while compiling it runs the
+forward inside ``with torch.autocast(..., enabled=False)`` blocks, which dynamo traces.
+:func:`autocast_each` is that form; the root's boundary (:mod:`mixprec_torch.casting`) opens
+its autocast region the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from .copies import CopyOnly
 
-__all__ = ["Region", "TracedForward", "autocast_each"]
-
-
-class Region(Protocol):
-    """What :class:`TracedForward` reads of an op-casting plan
-    (:class:`~mixprec_torch.autocast.OpCasting` is one)."""
-
-    @property
-    def device_types(self) -> tuple[str, ...]: ...
-    @property
-    def autocast(self) -> torch.dtype | None: ...
-    @property
-    def table(self) -> dict[Callable[..., Any], Any]: ...
-    def mode(self) -> Any:
-        """A fresh op-casting ``TorchFunctionMode``."""
-        ...
+__all__ = ["TracedForward", "autocast_each", "autocast_off", "disable_autocast"]
 
 
 def autocast_each(
@@ -52,44 +38,51 @@ def autocast_each(
         return autocast_each(device_types[1:], dtype, fn, *args, **kwargs)
 
 
-class TracedForward(CopyOnly):
-    """A module's ``forward`` as an instance attribute: eager calls go straight through;
-    while ``torch.compile`` traces, it runs the forward inside ``with`` blocks (the hooks
-    then leave the region to it).
+# ------------------------------------------------------------------------------------------
 
-    :param casting: the model's op casting.
+
+def disable_autocast(device_types: Sequence[str]) -> Callable[[], None]:
+    """Turn autocast off for ``device_types``; return the call that turns it back on.
+
+    Only the enabled flag changes (the nesting level and the weight-cast cache stay), so
+    an island inside an autocast region costs two flag flips per device type.
+    """
+    was_on = [dt for dt in device_types if torch.is_autocast_enabled(dt)]
+    for dt in was_on:
+        torch.set_autocast_enabled(dt, False)
+
+    def restore() -> None:
+        for dt in was_on:
+            torch.set_autocast_enabled(dt, True)
+
+    return restore
+
+
+@contextmanager
+def autocast_off(device_types: Sequence[str]) -> Iterator[None]:
+    """Autocast disabled for ``device_types`` (restored afterwards, nesting level untouched)."""
+    restore = disable_autocast(device_types)
+    try:
+        yield
+    finally:
+        restore()
+
+
+class TracedForward(CopyOnly):
+    """A pinned module's ``forward`` as an instance attribute: eager calls go straight
+    through (its hooks turn autocast off); while ``torch.compile`` traces, it runs the
+    forward inside ``with torch.autocast(..., enabled=False)`` blocks.
+
+    :param device_types: the device types whose autocast is turned off.
     :param forward: the module's own ``forward`` (bound).
-    :param region: open the op-casting region (the root of the wrapped model).
-    :param island: turn autocast off inside (a module pinned to a dtype).
     """
 
-    def __init__(
-        self, casting: Region, forward: Callable[..., Any], *, region: bool, island: bool
-    ) -> None:
-        self.casting = casting
+    def __init__(self, device_types: Sequence[str], forward: Callable[..., Any]) -> None:
+        self.device_types = tuple(device_types)
         self.forward = forward
-        self.region = region
-        self.island = island
-        self.__wrapped__ = forward  # inspect.signature(model.forward) sees the real one
+        self.__wrapped__ = forward  # inspect.signature(module.forward) sees the real one
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
             return self.forward(*args, **kwargs)
-        casting = self.casting
-        if not self.region:
-            return self._inner(*args, **kwargs)
-        if not casting.table:
-            return autocast_each(
-                casting.device_types, casting.autocast, self._inner, *args, **kwargs
-            )
-        with casting.mode():
-            if casting.autocast is None:
-                return self._inner(*args, **kwargs)
-            return autocast_each(
-                casting.device_types, casting.autocast, self._inner, *args, **kwargs
-            )
-
-    def _inner(self, *args: Any, **kwargs: Any) -> Any:
-        if self.island:
-            return autocast_each(self.casting.device_types, None, self.forward, *args, **kwargs)
-        return self.forward(*args, **kwargs)
+        return autocast_each(self.device_types, None, self.forward, *args, **kwargs)
