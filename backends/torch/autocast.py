@@ -300,12 +300,6 @@ class OpCasting:
             )
         return found
 
-    @property
-    def region_id(self) -> int | None:
-        """The id of the region with no module context, when this plan has kernels (what
-        :class:`~mixprec_torch.tracing.TracedForward` opens while compiling)."""
-        return self.regions[None].id if self.intercepts else None
-
     # --------------------------------------------------------------------- regions
 
     def enter(self) -> list[Any]:

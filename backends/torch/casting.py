@@ -1,4 +1,4 @@
-"""Parameter and boundary casting (O2/O3), module islands, and the hooks of a wrapped model.
+"""Parameter and boundary casting (O2/O3), module islands, and the forwards of a wrapped model.
 
 For each module of a wrapped model, :func:`plan_model` decides once, at wrap time:
 
@@ -7,27 +7,24 @@ For each module of a wrapped model, :func:`plan_model` decides once, at wrap tim
   root. Its own parameters and floating buffers are cast to that dtype in place
   (``param.data = ...``), so the ``Parameter`` objects (and what optimizers, DDP and tied
   modules hold) stay the same;
-- whether it is an *island*: pinned to a dtype. Its forward pre-hook casts floating inputs to
-  the pinned dtype and turns autocast off inside it; its post-hook turns autocast back on
+- whether it is an *island*: pinned to a dtype. Its forward pre-hook casts floating inputs
+  to the pinned dtype and turns autocast off inside it; its post-hook turns autocast back on
   and, when no autocast runs around it (O2/O3), casts floating outputs back to the dtype
   around it. So a float32 BatchNorm in an O2 float16 network receives float32 and hands
-  float16 to the next layer, in train and in eval mode;
-- whether it opens its decision context's region (it matches a module rule, and O1's kernels
-  decide some ops) so ``Policy.decide`` sees the module an op runs in.
+  float16 to the next layer, in train and in eval mode (under ``torch.compile`` its
+  :class:`~mixprec_torch.tracing.TracedForward` turns autocast off instead);
+- whether its hooks open its decision context's region (it matches a module rule, and O1's
+  kernels decide some ops) so ``Policy.decide`` sees the module an op runs in;
+- whether it is an *entry*: a module users plausibly call on their own (a child of the
+  root, or a module holding others), which then runs inside the model's boundary.
 
-The root gets the *boundary*, as its ``forward`` attribute (:class:`_Boundary`): floating
-inputs are cast to the root's dtype when that is a low-precision dtype (O2/O3), the
-op-casting region (:mod:`mixprec_torch.autocast`) runs around the forward, and floating
-outputs are cast to ``policy.output``. A forward rather than hooks: under ``torch.compile`` a
-user-defined module's hooks compile as frames (and graphs) of their own beside its forward,
-and each costs a call per step; the boundary is part of the one compiled frame. Hooks the
-user registers on the root run outside the boundary (a pre-hook sees the inputs before they
-are cast, a post-hook the output after).
+The root gets the *boundary*: floating inputs are cast to the root's dtype when that is a
+low-precision dtype (O2/O3), the op-casting region (:mod:`mixprec_torch.autocast`) runs
+around the forward, and floating outputs are cast to ``policy.output``. The boundary and the
+entries are ``forward`` attributes, not hooks (:mod:`mixprec_torch.boundaries`).
 
-The modules a user may call on their own get an *entry* (:mod:`mixprec_torch.entries`).
-
-Every hook and forward is a bound method of a :class:`ModelCasting` stored on the model (or
-holds it), so ``copy.deepcopy(model)`` copies hooks and plan consistently; pickling them raises
+Every forward holds the :class:`ModelCasting` stored on the model, so
+``copy.deepcopy(model)`` copies forwards and plan consistently; pickling them raises
 :class:`~mixprec.errors.CheckpointError` (:mod:`mixprec_torch.copies`).
 """
 
@@ -42,14 +39,14 @@ from mixprec.dtypes import is_low_precision
 from mixprec.policy import Policy
 
 from .autocast import DecisionContext, OpCasting
+from .boundaries import EntryHooks, ModuleForward, hooks_local, open_region, undo
 from .copies import CopyOnly
 from .dtypes import cast_floating, torch_dtype
-from .entries import EntryHooks, ancestors, entry_point, hooks_local, undo
 from .kernels import install as install_kernels
 from .param_dtypes import apply_param_dtypes, lowp_param, planned_dtypes, recast_error
-from .regions import Region, anchor, pop, push
+from .regions import Region
 from .sites import ModuleSite, class_names, plan_model
-from .tracing import TracedForward, autocast_each, disable_autocast
+from .tracing import TracedForward, disable_autocast
 
 __all__ = ["ModelCasting", "ModuleSite", "cast_floating", "class_names", "plan_model"]
 
@@ -85,7 +82,6 @@ class ModelCasting(CopyOnly):
         self._handles: list[Any] = []
         self._traced: list[tuple[nn.Module, Any, Any]] = []
         self._sentinel: tuple[str, nn.Parameter, torch.dtype] | None = None
-        self._root_region: Region | None = None
         self.depth = 0
         """Forwards of this model running now, through the root or an entry (an int, not a
         thread-local: a wrapped model trains on one thread, and a copy must deep-copy)."""
@@ -103,7 +99,7 @@ class ModelCasting(CopyOnly):
         if self.cast_params:
             apply_param_dtypes(self.sites)
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ forwards
 
     @property
     def autocast_on(self) -> bool:
@@ -127,18 +123,28 @@ class ModelCasting(CopyOnly):
         )
 
     def install(self, model: nn.Module) -> None:
-        """Give the root its boundary and register every island/context/entry hook."""
+        """Give the root its boundary (:mod:`mixprec_torch.boundaries`), and register every
+        island, context and entry module's hooks or forward."""
         root = self.sites[0]
         self._sentinel = lowp_param(model, self.sites) if self.cast_params else None
-        self._root_island = self.is_island(root)
-        self._root_region = self.context_region(root)
+        root_island = self.is_island(root)
         if self.casting is not None:
             install_kernels(self.casting)
-        if self._root_island:
+        if root_island:
             self.input_dtype = torch_dtype(root.dtype)
-        handles = self._handles
-        self._replace_forward(model, _Boundary(self, model.forward))
+        self._replace_forward(
+            model,
+            ModuleForward(
+                self,
+                model.forward,
+                root=True,
+                entry_input=self.input_dtype,
+                island=root_island,
+                region=self.context_region(root),
+            ),
+        )
         by_name = {site.name: site for site in self.sites}
+        handles = self._handles
         for site in self.sites[1:]:
             module = site.module
             island, region = self.is_island(site), self.context_region(site)
@@ -151,16 +157,39 @@ class ModelCasting(CopyOnly):
                 hooks = _SiteHooks(self, site, island=island, region=region)
                 handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
                 handles.append(module.register_forward_hook(hooks.post, always_call=True))
-            if entry_point(site) and (
+            if not _entry_point(site) or not (
                 self.casting is not None or (self.cast_params and is_low_precision(site.dtype))
             ):
+                continue
+            above = _ancestors(site, by_name)
+            ruled = [a for a in above if a.has_rule]
+            entry_input = (
+                torch_dtype(site.dtype)
+                if self.cast_params and is_low_precision(site.dtype)
+                else None
+            )
+            entry_region = self.context_region(ruled[0]) if ruled else None
+            off = any(self.is_island(a) for a in above) and self.autocast_on
+            if island or region is not None:
                 # registered after the site's own hooks, pre-hook prepended: the entry's
                 # pre-hook runs first and its post-hook last, so it wraps them
-                entry = EntryHooks(self, site, ancestors(site, by_name))
+                entry = EntryHooks(self, entry_input, entry_region, off)
                 handles.append(
                     module.register_forward_pre_hook(entry.pre, with_kwargs=True, prepend=True)
                 )
                 handles.append(module.register_forward_hook(entry.post, always_call=True))
+            else:
+                self._replace_forward(
+                    module,
+                    ModuleForward(
+                        self,
+                        module.forward,
+                        entry=True,
+                        entry_input=entry_input,
+                        entry_region=entry_region,
+                        entry_off=off,
+                    ),
+                )
 
     def _replace_forward(self, module: nn.Module, forward: Any) -> None:
         """Make ``forward`` the module's ``forward`` attribute (undone by :meth:`remove`)."""
@@ -169,7 +198,8 @@ class ModelCasting(CopyOnly):
         self._traced.append((module, forward, previous))
 
     def remove(self) -> None:
-        """Remove every hook :meth:`install` registered, and every forward it replaced."""
+        """Remove every hook :meth:`install` registered, and put back every forward it
+        replaced."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -181,101 +211,30 @@ class ModelCasting(CopyOnly):
                     module.forward = previous  # type: ignore[method-assign]
         self._traced.clear()
 
-    def _model_region(self) -> Region | None:
-        """The region with no module context, when this model's kernels decide some ops."""
-        return self.casting.regions[None] if self.casting is not None and self.intercepts else None
+    def check_params(self) -> None:
+        """Raise if a parameter was cast after ``wrap`` (``model.float()``)."""
+        if self._sentinel is not None and self._sentinel[1].dtype != self._sentinel[2]:
+            recast_error(self.policy, *self._sentinel)
 
     def leave(self) -> None:
         """One forward of this model (root or entry) ended."""
         self.depth -= 1
 
-    def forward(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the root's own ``forward`` inside the model's boundary, eagerly: the region
-        open, inputs cast to the root's dtype, outputs to ``policy.output``."""
-        if self._sentinel is not None and self._sentinel[1].dtype != self._sentinel[2]:
-            recast_error(self.policy, *self._sentinel)
-        undo: list[Any] = []
-        try:
-            casting = self.casting
-            if casting is not None:
-                contexts = casting.enter()
-                undo.append(lambda: casting.exit(contexts))
-            if self._root_island or self._root_region is not None:
-                undo.extend(_enter_site(self, self._root_region, island=self._root_island))
-            self.depth += 1
-            undo.append(self.leave)
-            dtype = self.input_dtype
-            if dtype is not None:
-                args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
-            output = forward(*args, **kwargs)
-        finally:
-            for step in reversed(undo):
-                step()
-        if output is None:
-            return None
-        if self.intercepts:
-            anchor(output)  # a recomputation in backward finds the forward's regions
-        return cast_floating(output, self.output_dtype)
 
-    def traced_forward(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """What :meth:`forward` does, in the form ``torch.compile`` traces: autocast as
-        ``with`` blocks, the regions as the graph's ``mixprec::enter_region`` and
-        ``mixprec::exit_region`` operators (:mod:`mixprec_torch.regions`)."""
-        if self._sentinel is not None and self._sentinel[1].dtype != self._sentinel[2]:
-            recast_error(self.policy, *self._sentinel)
-        casting = self.casting
-        regions = [r.id for r in (self._model_region(), self._root_region) if r is not None]
-        inner = forward
-        if self._root_island and self.autocast_on:
-            assert casting is not None
-            types = casting.device_types
-
-            def inner(*a: Any, **k: Any) -> Any:
-                return autocast_each(types, None, forward, *a, **k)
-
-        for region in regions:
-            torch.ops.mixprec.enter_region(region)
-        self.depth += 1
-        try:
-            dtype = self.input_dtype
-            if dtype is not None:
-                args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
-            if casting is not None and casting.autocast is not None:
-                output = autocast_each(
-                    casting.device_types, casting.autocast, inner, *args, **kwargs
-                )
-            else:
-                output = inner(*args, **kwargs)
-        finally:
-            self.depth -= 1
-            for region in reversed(regions):
-                torch.ops.mixprec.exit_region(region)
-        if output is None:
-            return None
-        return cast_floating(output, self.output_dtype)
+def _entry_point(site: ModuleSite) -> bool:
+    """Whether users plausibly call this module on its own: a child of the root, or a
+    module holding others (a block, an encoder)."""
+    return "." not in site.name or next(site.module.children(), None) is not None
 
 
-class _Boundary(CopyOnly):
-    """The root's ``forward`` attribute: the model's own forward inside its boundary, eagerly
-    (:meth:`ModelCasting.forward`) or as ``torch.compile`` traces it
-    (:meth:`ModelCasting.traced_forward`). A forward, not hooks: a compiled wrapped model is
-    one frame and one graph (dynamo compiles a user-defined module's hooks as frames of their
-    own), and the root's call takes PyTorch's fast path when no hook of the user's own is
-    registered.
-
-    :param owner: the model's casting plan.
-    :param forward: the root's own ``forward`` (bound).
-    """
-
-    def __init__(self, owner: ModelCasting, forward: Any) -> None:
-        self.owner = owner
-        self.forward = forward
-        self.__wrapped__ = forward  # inspect.signature(model.forward) sees the real one
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return self.owner.traced_forward(self.forward, args, kwargs)
-        return self.owner.forward(self.forward, args, kwargs)
+def _ancestors(site: ModuleSite, by_name: dict[str, ModuleSite]) -> list[ModuleSite]:
+    """The sites above ``site``, nearest first, root last."""
+    out: list[ModuleSite] = []
+    name = site.name
+    while name:
+        name = name.rpartition(".")[0]
+        out.append(by_name[name])
+    return out
 
 
 def _enter_site(owner: ModelCasting, region: Region | None, *, island: bool) -> list[Any]:
@@ -283,21 +242,11 @@ def _enter_site(owner: ModelCasting, region: Region | None, *, island: bool) -> 
     undo: list[Any] = []
     casting = owner.casting
     if region is not None:
-        undo.append(_open(region))
+        undo.append(open_region(region))
     if island and casting is not None and casting.autocast is not None:
-        if not torch.compiler.is_compiling():  # else a TracedForward or the boundary does it
+        if not torch.compiler.is_compiling():  # else its TracedForward does it
             undo.append(disable_autocast(casting.device_types))
     return undo
-
-
-def _open(region: Region) -> Any:
-    """Open ``region`` (eagerly on this thread, or as the graph's operator while compiling);
-    return what closes it."""
-    if torch.compiler.is_compiling():
-        torch.ops.mixprec.enter_region(region.id)
-        return lambda: torch.ops.mixprec.exit_region(region.id)
-    push(region)
-    return pop
 
 
 class _SiteHooks(CopyOnly):
@@ -307,7 +256,6 @@ class _SiteHooks(CopyOnly):
         self, owner: ModelCasting, site: ModuleSite, *, island: bool, region: Region | None
     ) -> None:
         self.owner = owner
-        self.site = site
         self.island = island
         self.region = region
         self.pin = torch_dtype(site.pin) if island and site.pin is not None else None

@@ -22,11 +22,10 @@ scaler, the masters and the step stay ``mixprec.torch.wrap``'s:
   scaling (bf16 presets, O0): mixprec evaluates it once, then LBFGS's line search re-runs
   it on the masters. The hooks and clipping run after the first evaluation, once per step.
   Under loss scaling (or compensated masters) such an optimizer is refused in ``connect``.
-- ``forward_context`` runs ``training_step`` / ``validation_step`` ... inside the model's
-  op-casting region (O1), so a ``training_step`` that calls a submodule directly
-  (``self.net(x)``) runs under the policy. Under O2/O3 the entries ``wrap`` installs on
-  the module's children (:mod:`mixprec_torch.casting`) cast their inputs and outputs when
-  they are called from outside its ``forward``.
+- a ``training_step`` that calls a submodule directly (``self.net(x)``) runs under the
+  policy: the entries ``wrap`` gives the module's children (:mod:`mixprec_torch.boundaries`)
+  open the model's region and cast their inputs and outputs when they are called from
+  outside its ``forward``.
 - the checkpoint holds the policy and the scaler state under the plugin's name (the
   optimizer state dicts carry the scaler too); ``fit(ckpt_path=...)`` resumes exactly.
 - after each step the loss scale and the skip count are logged as ``mixprec/loss_scale``

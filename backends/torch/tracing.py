@@ -1,13 +1,12 @@
-"""What ``torch.compile`` traces where a pinned module's hooks would turn autocast off.
+"""Autocast switched two ways: as flags eagerly, as ``with`` blocks while compiling.
 
-Eagerly, the forward pre-hook of a module pinned to a dtype (a float32 BatchNorm under O1)
-turns autocast off and its post-hook turns it back on (:mod:`mixprec_torch.casting`). Dynamo
-cannot follow that: an autocast flag flipped in one inlined hook and restored in another
-breaks its bookkeeping. So ``wrap`` gives each such module a :class:`TracedForward` as its
-``forward`` attribute: eager calls go straight through, and while compiling it runs the
-forward inside ``with torch.autocast(..., enabled=False)`` blocks, which dynamo traces.
-:func:`autocast_each` is that form; the root's boundary (:mod:`mixprec_torch.casting`) opens
-its autocast region the same way.
+Eagerly, an island of a wrapped model (a float32 BatchNorm under O1) turns autocast off in
+its pre-hook by flipping the enabled flag (:func:`disable_autocast`: the nesting level and the
+weight-cast cache stay) and back on in its post-hook. Dynamo cannot follow a flag flipped in
+one inlined hook and restored in another, so each such module gets a :class:`TracedForward`
+as its ``forward`` attribute, which while ``torch.compile`` traces runs the forward inside a
+``with torch.autocast(..., enabled=False)`` block (:func:`autocast_each`). The root's
+boundary (:mod:`mixprec_torch.boundaries`) opens its autocast the same way.
 """
 
 from __future__ import annotations
