@@ -53,7 +53,7 @@ from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 
 from .aten import aten_ops
-from .decisions import DecisionContext, Decisions, input_key
+from .decisions import DTYPE_BITS, DecisionContext, Decisions, InputKey
 from .dtypes import FLOATING, cast_floating, torch_dtype
 from .ops import ATEN_OPS, NORM_ARGS
 from .probes import autocast_dtypes, probe
@@ -181,6 +181,51 @@ def _norm_args(
     return out, writeback
 
 
+def _slot_key(slots: Any, args: Any, kwargs: Any) -> InputKey:
+    """The :data:`~mixprec_torch.decisions.InputKey` of a call, read from its tensor
+    arguments only (``slots``: see :attr:`mixprec_torch.kernels.Kernel.slots`)."""
+    first: torch.dtype | None = None
+    mask = 0
+    count = len(args)
+    for index, name, many in slots:
+        value = args[index] if index < count else kwargs.get(name)
+        for item in value if many else (value,):
+            if isinstance(item, torch.Tensor):
+                bit = DTYPE_BITS.get(item.dtype, 0)
+                if bit:
+                    if first is None:
+                        first = item.dtype
+                    mask |= bit
+    return first, mask
+
+
+def _cast_slots(
+    slots: Any, args: Any, kwargs: Any, dtype: torch.dtype
+) -> tuple[list[Any], dict[str, Any]]:
+    """``args`` and ``kwargs`` with every floating tensor argument cast to ``dtype``."""
+    new_args = list(args)
+    new_kwargs = kwargs
+    count = len(args)
+    for index, name, many in slots:
+        value = args[index] if index < count else kwargs.get(name)
+        if value is None:
+            continue
+        cast = [_cast(t, dtype) for t in value] if many else _cast(value, dtype)
+        if index < count:
+            new_args[index] = cast
+        else:
+            if new_kwargs is kwargs:
+                new_kwargs = dict(kwargs)
+            new_kwargs[name] = cast
+    return new_args, new_kwargs
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype != dtype and value.dtype in DTYPE_BITS:
+        return value.to(dtype)
+    return value
+
+
 class CastHandler:
     """Runs an operator of ``op`` (a family or a ``"torch:"`` name) in the dtype the region
     decides for its floating inputs, with the Autocast key excluded for the call.
@@ -196,7 +241,7 @@ class CastHandler:
         self.norm = norm
 
     def run(self, region: Region, kernel: Any, keyset: Any, args: Any, kwargs: Any) -> Any:
-        dtype = region.dtype(self.op, input_key(args, kwargs))
+        dtype = region.dtype(self.op, _slot_key(kernel.slots, args, kwargs))
         if self.norm is not None:
             new_args, writeback = _norm_args(args, dtype, self.norm)
             with kernel.below():
@@ -206,9 +251,9 @@ class CastHandler:
                     for original, cast in writeback:
                         original.copy_(cast)
             return out
-        new_args = [cast_floating(a, dtype) for a in args]
+        new_args, new_kwargs = _cast_slots(kernel.slots, args, kwargs, dtype)
         with kernel.below():
-            return kernel.op(*new_args, **{k: cast_floating(v, dtype) for k, v in kwargs.items()})
+            return kernel.op(*new_args, **new_kwargs)
 
 
 class BanHandler:
@@ -221,7 +266,7 @@ class BanHandler:
         self.op = op
 
     def run(self, region: Region, kernel: Any, keyset: Any, args: Any, kwargs: Any) -> Any:
-        region.dtype(self.op, input_key(args, kwargs))  # raises where it is banned
+        region.dtype(self.op, _slot_key(kernel.slots, args, kwargs))  # raises where banned
         return kernel.passthrough(keyset, args, kwargs)
 
 

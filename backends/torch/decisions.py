@@ -29,7 +29,14 @@ from mixprec.policy import Policy
 
 from .dtypes import FLOATING, dtype_name, torch_dtype
 
-__all__ = ["PREPARED_KEYS", "DecisionContext", "Decisions", "InputKey", "input_key"]
+__all__ = [
+    "DTYPE_BITS",
+    "PREPARED_KEYS",
+    "DecisionContext",
+    "Decisions",
+    "InputKey",
+    "input_key",
+]
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ InputKey = tuple["torch.dtype | None", int]
 """An op's floating inputs as (the first one's dtype or None, the bit set of all dtypes)."""
 
 _BITS: dict[torch.dtype, int] = {d: 1 << i for i, d in enumerate(sorted(FLOATING, key=str))}
+DTYPE_BITS = _BITS
+"""Each floating dtype's bit in an :data:`InputKey` (a dtype outside it is not floating)."""
 _BY_BIT: dict[int, torch.dtype] = {bit: d for d, bit in _BITS.items()}
 _PREPARED: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -82,10 +82,17 @@ class Kernel:
         own = kernel_origin(name, self.key) is not None or not self.autocast
         self.original = torch.library.get_kernel(name, self.key) if own else None
         self.after = keys_after(self.key)
-        self.tensor_args = tuple(
-            i for i, arg in enumerate(op_schema(self.op).arguments) if str(arg.type) == "Tensor"
-        )
+        arguments = op_schema(self.op).arguments
+        self.tensor_args = tuple(i for i, a in enumerate(arguments) if str(a.type) == "Tensor")
         """Positions of the ``Tensor`` arguments (a Python number may arrive there)."""
+        self.slots: tuple[tuple[int, str, bool], ...] = tuple(
+            (i, a.name, "List" in str(a.type))
+            for i, a in enumerate(arguments)
+            if str(a.type).replace("Optional[", "").replace("List[", "").startswith("Tensor")
+        )
+        """(position, name, a list of tensors) of every tensor argument, in schema order: what
+        a handler reads and casts (a keyword-only one arrives by name)."""
+        self.excluded = torch.DispatchKeySet(self.key)
 
     def __call__(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
         region = current()
@@ -122,7 +129,7 @@ class Kernel:
     def below(self) -> Any:
         """A context manager under which the operator runs without this key (the region's
         cast is final: nothing inside is cast again)."""
-        return excluding(self.key)
+        return excluding(self.excluded)
 
 
 never_compiled(Kernel.__call__)

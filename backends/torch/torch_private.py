@@ -234,14 +234,16 @@ def keys_after(key: torch.DispatchKey) -> torch.DispatchKeySet:
     return torch._C._dispatch_keyset_full_after(key)
 
 
-def excluding(key: torch.DispatchKey) -> Any:
-    """A context manager under which ``key`` is skipped for every op (the thread's
+def excluding(keys: torch.DispatchKey | torch.DispatchKeySet) -> Any:
+    """A context manager under which ``keys`` are skipped for every op (the thread's
     excluded set), as torch's own autocast kernels run the op they cast.
 
     Why private: ``torch._C._ExcludeDispatchKeyGuard`` is what ``torch.library.register_autocast``
     itself uses; there is no public name.
     """
-    return torch._C._ExcludeDispatchKeyGuard(torch.DispatchKeySet(key))
+    if isinstance(keys, torch.DispatchKey):
+        keys = torch.DispatchKeySet(keys)
+    return torch._C._ExcludeDispatchKeyGuard(keys)
 
 
 def kernel_origin(op_name: str, key: torch.DispatchKey) -> str | None:

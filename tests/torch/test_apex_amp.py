@@ -14,13 +14,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import torch.nn.functional as F  # noqa: E402
 from _apex_nets import (  # noqa: E402
     data,
     fresh_registry,  # noqa: F401 (its autouse fixture)
     grads_of,
     net,
 )
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec  # noqa: E402
