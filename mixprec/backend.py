@@ -9,11 +9,12 @@ on first use through :func:`mixprec.plugins.load_backend`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mixprec.errors import BackendNotAvailable
 
-__all__ = ["BackendInfo", "Capabilities", "DeviceCapability"]
+__all__ = ["BackendInfo", "Capabilities", "DeviceCapability", "NativeDtypes"]
 
 # Low-precision dtypes in the order ``auto`` prefers them: bfloat16 needs no loss scaling.
 _LOWP_PREFERENCE = ("bfloat16", "float16")
@@ -87,3 +88,19 @@ class Capabilities:
         """The low-precision dtype ``auto`` should pick on ``device``, or None for float32."""
         fast = self.device(device).fast_dtypes
         return next((dtype for dtype in _LOWP_PREFERENCE if dtype in fast), None)
+
+
+@dataclass(frozen=True)
+class NativeDtypes:
+    """What a framework's own mixed precision does with each op: a backend's answer to
+    :func:`mixprec.hookspecs.mixprec_native_dtypes`, recorded by the precision lockfile.
+
+    :param source: what was asked, in the framework's words, such as
+        ``"torch.autocast('cuda', dtype=torch.float16)"``.
+    :param dtypes: op name (a neutral family, or ``"<backend>:<native>"`` for an op outside
+        the vocabulary) -> input dtype (``"float32"`` and the low-precision dtype asked
+        about) -> the dtype the op computes in, or None where the op refuses those inputs.
+    """
+
+    source: str
+    dtypes: Mapping[str, Mapping[str, str | None]]

@@ -5,6 +5,7 @@ Subcommands:
   ``mixprec explain POLICY OP``      which rule decides an op's dtype, and why
   ``mixprec backends``               installed backends, versions, capabilities, broken plugins
   ``mixprec advise MODULE:FACTORY``  which policy for your model here (:mod:`mixprec.advise_cli`)
+  ``mixprec lock POLICY --backend B`` what each op resolves to; ``--check FILE`` names drift
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from mixprec.advise_cli import add_parser as add_advise_parser
 from mixprec.errors import MixprecError
 from mixprec.grammar import format_loss_scale
+from mixprec.lock import add_parser as add_lock_parser
 from mixprec.plugins import (
     DISABLE_ENV,
     broken_plugins,
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     backends.set_defaults(run=_cmd_backends)
     add_advise_parser(sub)
+    add_lock_parser(sub)
     return parser
 
 

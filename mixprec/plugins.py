@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pluggy
 
 from mixprec import hookspecs
-from mixprec.backend import BackendInfo
+from mixprec.backend import BackendInfo, NativeDtypes
 from mixprec.errors import BackendNotAvailable, PluginError
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ __all__ = [
     "get_plugin_manager",
     "list_backends",
     "load_backend",
+    "native_dtypes",
     "plugin_presets",
     "policy_resolved",
     "register",
@@ -325,6 +326,15 @@ def plugin_presets() -> dict[str, Policy | Mapping[str, Any]]:
         except BackendNotAvailable:
             continue  # that plugin's framework is missing: its presets are unavailable
     return merged
+
+
+def native_dtypes(backend: str, device: str, compute: str) -> NativeDtypes | None:
+    """What ``backend``'s framework does natively with each op (the lockfile's question), or
+    None when no plugin answers for it (``mixprec_native_dtypes``)."""
+    answer = get_plugin_manager().hook.mixprec_native_dtypes(
+        backend=backend, device=device, compute=compute
+    )
+    return cast("NativeDtypes | None", answer)
 
 
 def _has_listeners(hook: str) -> bool:

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "compiled_inner",
+    "fake_tensor_mode",
     "foreach_copy_",
     "foreach_norm_float32",
     "foreach_zero_",
@@ -227,6 +228,20 @@ def set_reentrant_checkpoint_function(node: Any, fn: Callable[..., Any]) -> None
     node.run_function = fn
 
 
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode``: tensors made inside it have a device and a dtype but no data, so
+    CUDA tensors exist without a GPU and ops compute only their results' dtypes and shapes.
+
+    Why private: ``torch._subclasses.fake_tensor`` is how torch itself (``torch.compile``)
+    traces without running kernels; there is no public equivalent. The lockfile
+    (:mod:`mixprec_torch.native`) runs CUDA autocast's own kernels on fake tensors to record
+    what it does with each op on a machine without a GPU.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
 def _doubled(t: torch.Tensor) -> torch.Tensor:
     return t * 2
 
@@ -270,6 +285,12 @@ def problems() -> list[str]:
         "torch._C._storage_Use_Count no longer counts the tensors holding a storage",
     )
     need(not in_backward(), "torch._C._current_graph_task_id is not -1 outside backward")
+    try:
+        with fake_tensor_mode():
+            fake = torch.ones(2, device="cuda")
+        need(fake.device.type == "cuda", "FakeTensorMode no longer makes CUDA tensors")
+    except Exception as exc:
+        need(False, f"torch._subclasses.fake_tensor.FakeTensorMode fails: {exc}")
     seen: list[bool] = []
     leaf = torch.ones(1, requires_grad=True)
     leaf.register_hook(lambda grad: seen.append(in_backward()))
