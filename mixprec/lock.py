@@ -98,12 +98,11 @@ def _decided(policy: Policy, op: str, dtype: str) -> tuple[str, str]:
     return decision.dtype, decision.rule
 
 
-def _locked(
-    policy: Policy, text: str, backend: str, device: str, folder: Path | None
-) -> PrecisionLock:
+def _locked(policy: Policy, text: str, backend: str, device: str) -> PrecisionLock:
     info = backend_info(backend)
     if device not in DEVICES:
         raise LockError(f"lock for device 'cpu' or 'cuda', not {device!r}")
+    load_backend(backend)  # the framework must be installed: BackendNotAvailable names it
     lowp = policy.compute if is_low_precision(policy.compute) else BFLOAT16
     native = native_dtypes(backend, device, lowp) if policy.casts_ops else None
     names = list(OP_FAMILIES)
@@ -154,10 +153,9 @@ def make_lock(
         or its framework is not installed. :raises LockError: an unknown device.
     """
     text = _policy_text(policy, folder)
-    spec: PolicySpec = policy if isinstance(policy, Policy | os.PathLike) else text
     if isinstance(policy, str) and policy.strip().endswith(".toml"):
-        spec = Path(policy)  # read where it is now; the lock records it relative to folder
-    return _locked(_resolve(spec, backend, device, None), text, backend, device, folder)
+        policy = Path(policy)  # read where it is now; the lock records it relative to folder
+    return _locked(_resolve(policy, backend, device, None), text, backend, device)
 
 
 def write_lock(
@@ -210,7 +208,7 @@ def check_lock(path: str | os.PathLike[str], backend: str | None = None) -> Lock
     if locked.device not in DEVICES:
         raise LockError(f"lock file {os.fspath(path)!r} names device {locked.device!r}")
     policy = _resolve(locked.policy, locked.backend, locked.device, folder)
-    now = _locked(policy, locked.policy, locked.backend, locked.device, folder)
+    now = _locked(policy, locked.policy, locked.backend, locked.device)
     return LockCheck(locked, now, changes(locked, now))
 
 
