@@ -87,7 +87,9 @@ def _key(root: Path) -> str:
 
 def _run(root: Path, folder: Path, backend: str) -> str:
     out = f"advice/{backend}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
     env.pop("MIXPREC_DISABLE_PLUGINS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "mixprec", *COMMANDS[backend], "--out", out],

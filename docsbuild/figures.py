@@ -64,8 +64,9 @@ def loss_scale_picture(path: Path) -> Path:
     fig = _figure(9.0, 3.2)
     ax = fig.add_subplot()
     ax.plot(range(len(scales)), scales, drawstyle="steps-post", label="loss scale")
+    label = f"overflow: step skipped, scale halved ({len(skipped)} of {len(scales)})"
     ax.scatter(skipped, [scales[s] for s in skipped], color="tab:red", marker="x", zorder=3,
-               label=f"overflow: step skipped, scale halved ({len(skipped)} of {len(scales)})")  # fmt: skip
+               label=label)  # fmt: skip
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
     ax.set_ylabel("scale")
@@ -86,7 +87,9 @@ class HeadlineRow:
     met: bool
 
 
-ROW = re.compile(r"^\| (?P<target>[^|]+) \| (?P<limit>[^|]+) \| (?P<figure>[^|]+) \| (?P<verdict>[^|]+) \|$")
+ROW = re.compile(
+    r"^\| (?P<target>[^|]+) \| (?P<limit>[^|]+) \| (?P<figure>[^|]+) \| (?P<verdict>[^|]+) \|$"
+)
 RATIO = re.compile(r"^\s*(?P<value>\d+(?:\.\d+)?)×")
 LIMIT = re.compile(r"≤\s*(?P<value>\d+(?:\.\d+)?)×")
 

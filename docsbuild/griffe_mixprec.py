@@ -31,9 +31,7 @@ import griffe
 
 __all__ = ["MixprecDocs", "builtin_backends", "rewrite_docstring"]
 
-ROLE = re.compile(
-    r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj|const|any):`(?P<body>[^`]+)`"
-)
+ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj|const|any):`(?P<body>[^`]+)`")
 MULTI_PARAM = re.compile(r"^(?P<indent>\s*):param (?P<names>\w+(?:, \w+)+):(?P<rest>.*)$")
 BARE_LITERAL = re.compile(r"^\s*::\s*$")
 

@@ -110,9 +110,7 @@ def _advisor_plots(prefix: str) -> str:
     rows = []
     for plot in advisor_example.PLOTS:
         caption = PLOT_CAPTIONS[plot]
-        rows.append(
-            f"![{caption}]({prefix}{IMG}/advisor/torch/{plot}){{ width=\"49%\" }}"
-        )
+        rows.append(f'![{caption}]({prefix}{IMG}/advisor/torch/{plot}){{ width="49%" }}')
     items = "\n".join(rows)
     captions = " ".join(
         f"**{n}.** {PLOT_CAPTIONS[plot]}" for n, plot in enumerate(advisor_example.PLOTS, 1)

@@ -334,10 +334,10 @@ def plugin_preset_sources() -> dict[str, str]:
     sources: dict[str, str] = {}
     for impl in get_plugin_manager().hook.mixprec_presets.get_hookimpls():
         try:
-            names = impl.function()
+            presets = cast("Mapping[str, object]", impl.function())
         except BackendNotAvailable:
             continue
-        sources.update(dict.fromkeys(names, impl.plugin_name))
+        sources.update(dict.fromkeys(presets, impl.plugin_name))
     return sources
 
 
