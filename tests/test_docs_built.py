@@ -31,7 +31,7 @@ from docsbuild.griffe_mixprec import builtin_backends  # noqa: E402
 #: The longest code line the page shows without a horizontal scroll at 1400 px (the wider
 #: grid of docs/stylesheets/extra.css); pages wrap theirs at 90, included sources at 100.
 CODE_WIDTH = 100
-ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj):`")
+ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj):(?=`|$)")
 LIST_IN_PARAGRAPH = re.compile(r"\n\s*(?:[-*+]|\d+\.) \S")
 
 
