@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import mixprec
-from mixprec import cli, dtypes, ops, presets, spec
+from mixprec import cli, dtypes, forms, ops, presets, spec
 from mixprec.grammar import format_loss_scale
 from mixprec.loss_scale import DynamicScale
 from mixprec.rules import LIST_NAMES
@@ -224,7 +224,7 @@ def _first_column_keys(heading: str) -> set[str]:
 def test_documented_keys_are_the_real_keys() -> None:
     assert _first_column_keys("## Dtype roles") == set(presets.ROLE_FIELDS)
     assert _first_column_keys("### Keys") == set(spec._KEYS)
-    assert _first_column_keys("### Mapping keys") == set(spec._MAPPING_KEYS)
+    assert _first_column_keys("### Mapping keys") == set(forms.MAPPING_KEYS)
     assert _first_column_keys("### Op lists") == set(LIST_NAMES)
 
 
