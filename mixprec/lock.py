@@ -246,9 +246,31 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+EPILOG = """examples:
+  mixprec lock O1-bf16 --backend torch -o precision.lock
+  mixprec lock O1 --backend torch --device cuda -o precision-cuda.lock
+  mixprec lock policies/train.toml --backend mxnet -o gluon.lock
+  mixprec lock --check precision.lock
+
+--check exits 0 when every op resolves as locked, 1 with one line per changed op
+(layer_norm: float32 -> bfloat16 (torch 2.13.0 -> 2.14.0)), 2 for a file it cannot read
+as a lock (damaged, cut short, edited by hand, or for another --backend).
+"""
+
+
 def add_parser(sub: Any) -> None:
     """Add the ``lock`` subcommand to the ``mixprec`` parser's subparsers."""
-    lock = sub.add_parser("lock", help="record what each op resolves to; --check names changes")
+    lock = sub.add_parser(
+        "lock",
+        help="record what each op resolves to; --check names what changed",
+        description="Write a precision lock: the mixprec, framework and Python versions, the "
+        "device, and for every op family the dtype it computes in for float32 and "
+        "low-precision inputs with the rule that decided (and, for a policy that casts ops, "
+        "what the framework's own mixed precision does with the ops it passes through). "
+        "--check resolves a lock's policy again with what is installed and names each op "
+        "that changed.",
+        epilog=EPILOG,
+    )
     lock.add_argument("policy", nargs="?", help="a preset, key-grammar spec or policy .toml")
     lock.add_argument("--backend", help="the backend to lock for (torch, mxnet, numpy...)")
     lock.add_argument("--device", choices=DEVICES, default="cpu", help="default: cpu")
