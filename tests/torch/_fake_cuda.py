@@ -19,7 +19,7 @@ and only forward passes run; ``make gpu-check`` runs the rest on a real GPU.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import mixprec.torch as mpt
 from mixprec_torch import devices
 
 
@@ -98,3 +99,53 @@ def to_fake_cuda(model: nn.Module) -> nn.Module:
             if buffer is not None:  # setattr keeps the buffer's persistence
                 setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device="cuda"))
     return model
+
+
+# ------------------------------------------- one model, its dtypes on the CPU and on CUDA
+
+
+class Block(nn.Module):
+    """Conv → BatchNorm → Linear → GELU → LayerNorm → attention → Linear → softmax: lowp
+    families, a module pin (BatchNorm), and fp32 families that CUDA autocast runs in float32
+    itself and CPU autocast does not (so O1 intercepts different families per device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x)).flatten(2)  # (batch, 4, 16)
+        h = self.norm(torch.nn.functional.gelu(self.fc(h)))
+        q = h.unsqueeze(1)  # one head
+        h = torch.nn.functional.scaled_dot_product_attention(q, q, q).squeeze(1)
+        return torch.softmax(self.head(h), dim=-1)
+
+
+def dtype_flow(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[str, str]]:
+    """Each named module's (input dtype, output dtype) in one forward pass, and the output's."""
+    seen: dict[str, tuple[str, str]] = {}
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[object, ...], out: object) -> None:
+            out = out[0] if isinstance(out, tuple) else out
+            seen[name] = (str(args[0].dtype), str(out.dtype))  # type: ignore[attr-defined]
+
+        return hook
+
+    for name, module in model.named_modules():
+        if name and "." not in name:
+            module.register_forward_hook(record(name))
+    with torch.no_grad():
+        seen["(output)"] = ("", str(model(x).dtype))
+    return seen
+
+
+def cpu_flow(policy: str) -> dict[str, tuple[str, str]]:
+    """:func:`dtype_flow` of a :class:`Block` wrapped with ``policy`` on the CPU."""
+    torch.manual_seed(0)
+    model = mpt.wrap(Block().train().requires_grad_(False), policy=policy)
+    return dtype_flow(model, torch.randn(2, 3, 6, 6))

@@ -10,13 +10,12 @@ step, speed) runs in ``make gpu-check`` (docs/benchmarks.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from _fake_cuda import fake_cuda, to_fake_cuda  # noqa: E402
+from _fake_cuda import Block, cpu_flow, dtype_flow, fake_cuda, to_fake_cuda  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec  # noqa: E402
@@ -85,51 +84,6 @@ def test_torch_autocast_follows_the_machine() -> None:
 
 
 # --------------------------------------------------------------- a wrapped model's dtype flow
-
-
-class Block(nn.Module):
-    """Conv → BatchNorm → Linear → GELU → LayerNorm → attention → Linear → softmax: lowp families, a
-    module pin (BatchNorm), fp32 families and an op autocast treats differently per device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(16, 16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.bn(self.conv(x)).flatten(2)  # (batch, 4, 16)
-        h = self.norm(torch.nn.functional.gelu(self.fc(h)))
-        q = h.unsqueeze(1)  # one head
-        h = torch.nn.functional.scaled_dot_product_attention(q, q, q).squeeze(1)
-        return torch.softmax(self.head(h), dim=-1)
-
-
-def dtype_flow(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[str, str]]:
-    """Each named module's (input dtype, output dtype) in one forward pass, and the output's."""
-    seen: dict[str, tuple[str, str]] = {}
-
-    def record(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[object, ...], out: object) -> None:
-            out = out[0] if isinstance(out, tuple) else out
-            seen[name] = (str(args[0].dtype), str(out.dtype))  # type: ignore[attr-defined]
-
-        return hook
-
-    for name, module in model.named_modules():
-        if name and "." not in name:
-            module.register_forward_hook(record(name))
-    with torch.no_grad():
-        seen["(output)"] = ("", str(model(x).dtype))
-    return seen
-
-
-def cpu_flow(policy: str) -> dict[str, tuple[str, str]]:
-    torch.manual_seed(0)
-    model = mpt.wrap(Block().train().requires_grad_(False), policy=policy)
-    return dtype_flow(model, torch.randn(2, 3, 6, 6))
 
 
 def cuda_flow(policy: str | None, autocast: torch.dtype | None = None) -> dict[str, tuple]:
