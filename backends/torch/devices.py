@@ -10,8 +10,8 @@ AMX-BF16, float16 AVX512-FP16 or AMX-FP16. Three things decide that, and all are
   AVX2 emulation of the test suite, or a container that sets it). Under
   ``ONEDNN_MAX_CPU_ISA=AVX2`` a bfloat16 512² matmul took 20-45× an float32 one on an
   AVX512-BF16 Zen 4, against 0.37× uncapped: the flags alone would call it fast;
-- ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: whether this build's oneDNN runs
-  bfloat16 at all at its effective ISA.
+- whether this build's oneDNN runs bfloat16 at all at its effective ISA
+  (:func:`~mixprec_torch.torch_private.onednn_runs_bfloat16`).
 
 ATen's own vector ISA (``torch.backends.cpu.get_cpu_capability()``, set down by
 ``ATEN_CPU_CAPABILITY``) is reported in the note but does not decide: with
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from mixprec.backend import Capabilities, DeviceCapability
+
+from .torch_private import onednn_runs_bfloat16
 
 __all__ = [
     "capabilities",
@@ -156,12 +158,8 @@ def cuda_capability(index: int, major: int, minor: int) -> DeviceCapability:
 
 
 def _cpu() -> DeviceCapability:
-    try:
-        onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN
-        onednn_bf16 = False
     aten = str(torch.backends.cpu.get_cpu_capability())
-    return cpu_capability(cpu_flags(), onednn_isa_cap(), onednn_bf16, aten)
+    return cpu_capability(cpu_flags(), onednn_isa_cap(), onednn_runs_bfloat16(), aten)
 
 
 def _cuda(index: int) -> DeviceCapability:
