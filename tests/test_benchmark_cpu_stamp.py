@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -48,5 +49,9 @@ def test_the_runner_asks_torch_about_this_cpu() -> None:
     import mixprec.torch as mpt
 
     assert facts["fast"] == list(mpt.capabilities().device("cpu").fast_dtypes)
+    capped = {var: os.environ[var] for var in report.ISA_VARS if var in os.environ}
+    assert facts["env"] == capped
     stamp = report.cpu_stamp({"cpu": "here", "cpu_flags": FLAGS, "cpu_isa": facts})
-    assert ("emulated: " in stamp) == isa.emulating_avx2(), stamp
+    assert ("emulated: " in stamp) == bool(capped), stamp
+    if isa.emulating_avx2():
+        assert facts["fast"] == [] and "DNNL_MAX_CPU_ISA=AVX2" in stamp
