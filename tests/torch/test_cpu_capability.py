@@ -36,7 +36,8 @@ CAP = "ONEDNN_MAX_CPU_ISA"
         ({"avx512_bf16", "amx_bf16", "amx_tile"}, "AVX512_CORE_BF16", ("bfloat16",)),
         ({"amx_bf16", "amx_tile"}, "AVX512_CORE_BF16", ()),  # AMX alone needs the AMX ISA
         ({"avx512_bf16", "amx_bf16", "avx512_fp16"}, None, ("bfloat16", "float16")),  # SPR
-        ({"avx512_bf16", "avx512_fp16", "amx_fp16"}, "AVX512_CORE_AMX", ("bfloat16",)),
+        ({"avx512_bf16", "avx512_fp16", "amx_fp16"}, "AVX512_CORE_BF16", ("bfloat16",)),
+        ({"avx512_bf16", "avx512_fp16"}, "AVX512_CORE_AMX", ("bfloat16", "float16")),  # AMX ⊇ FP16
     ],
 )
 def test_fast_dtypes_follow_the_flags_and_the_onednn_cap(
