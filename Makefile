@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: demo test test-fast lint bench docs install clean
+.PHONY: demo test test-fast lint bench docs install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt plugins/mixprec-numpy/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# On a machine with a CUDA GPU, never in `make test`/CI: every CUDA test, the CUDA benchmark
+# case and a short training, reported in build/gpu-check/summary.md (under 8 minutes on one
+# H100). It uses .venv or a Python whose torch sees the GPU (installing this tree for it);
+# without a GPU it says so and exits 2 at once. See docs/benchmarks.md.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
 
 # The documentation site (mkdocs-material, API reference from the docstrings) into site/.
 docs: $(STAMP)

@@ -53,16 +53,21 @@ class DeviceCapability:
     :param device: the device as the framework names it: ``"cpu"``, ``"cuda:0"``, ``"gpu(0)"``.
     :param compute_dtypes: canonical dtypes its matrix multiply and convolution run in.
     :param fast_dtypes: low-precision dtypes that run faster than float32 on it.
+    :param note: the hardware facts behind the two lists, in the user's words (``"compute
+        capability 7.5: no bfloat16 (needs 8.0, Ampere)"``); shown by ``mixprec backends``,
+        by ``auto``'s float32 warning and by refusals, so they name the missing feature.
     """
 
     device: str
     compute_dtypes: tuple[str, ...]
     fast_dtypes: tuple[str, ...] = ()
+    note: str = ""
 
     def describe(self) -> str:
-        """One line such as ``cpu: float32, bfloat16 (fast: bfloat16)``."""
+        """One line such as ``cpu: float32, bfloat16 (fast: bfloat16) — avx512_bf16``."""
         fast = f" (fast: {', '.join(self.fast_dtypes)})" if self.fast_dtypes else ""
-        return f"{self.device}: {', '.join(self.compute_dtypes)}{fast}"
+        note = f" — {self.note}" if self.note else ""
+        return f"{self.device}: {', '.join(self.compute_dtypes)}{fast}{note}"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ __all__ = [
     "is_scheduler_step_wrapper",
     "mark_step_hooked",
     "non_finite_check_and_unscale_",
+    "onednn_runs_bfloat16",
     "problems",
     "reentrant_checkpoint_function",
     "scheduler_step_wrapper",
@@ -103,6 +104,20 @@ def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
     and comparing copies would cost the weights' memory and a pass over them.
     """
     return [t._version for t in tensors]
+
+
+def onednn_runs_bfloat16() -> bool:
+    """Whether this torch's oneDNN runs bfloat16 matmuls and convolutions at its effective ISA
+    (False for a build without oneDNN).
+
+    Why private: ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` is the only check that honours
+    oneDNN's own ISA (``ONEDNN_MAX_CPU_ISA=AVX2`` makes it False on an AVX512-BF16 CPU); the
+    public ``torch.backends.mkldnn.is_available()`` says only that oneDNN is built in.
+    """
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def sole_owner(storage: torch.UntypedStorage) -> bool:
@@ -262,6 +277,15 @@ def problems() -> list[str]:
         "_foreach_zero_",
     ):
         need(callable(getattr(torch, name, None)), f"torch.{name} is gone")
+    try:
+        torch.ops.mkldnn._is_mkldnn_bf16_supported  # noqa: B018 - the lookup is the check
+        has_probe = True
+    except (AttributeError, RuntimeError):
+        has_probe = False
+    need(
+        has_probe or not torch.backends.mkldnn.is_available(),
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported is gone",
+    )
     need(
         hasattr(torch.Tensor, "_version") and hasattr(torch.Tensor, "_values"),
         "Tensor._version or Tensor._values is gone",
