@@ -159,6 +159,13 @@ class BackendUnderTest:
         islands = getattr(self.adapter, "fp32_islands", None)
         return set(islands(dtype)) if islands is not None else set()
 
+    def op_module_class(self, op: str) -> tuple[str, ...] | None:
+        """The class names of the module the adapter runs ``op`` in (its optional
+        ``op_module_class``), or None for an op it runs as a function."""
+        lookup = getattr(self.adapter, "op_module_class", None)
+        classes = lookup(op) if lookup is not None else None
+        return None if classes is None else tuple(classes)
+
     def expected_dtype(self, op: str, decided: str) -> str:
         """The dtype ``op`` computes in when the policy decides ``decided``: float32 for an
         island, else ``decided``."""

@@ -131,10 +131,11 @@ def test_op_dtype_matches_decide(backend: BackendUnderTest, policy_name: str, op
     (and is refused where the policy bans it)."""
     assert backend.adapter is not None
     chosen = policy(policy_name)
+    classes = backend.op_module_class(op)  # a backend whose op is a module: its class rules
     wrong = []
     for input_dtype in backend.compute_dtypes:
         try:
-            expected = chosen.decide(op, (input_dtype,)).dtype
+            expected = chosen.decide(op, (input_dtype,), module_class=classes).dtype
         except MixprecError:  # banned: the backend must refuse too
             try:
                 got = backend.adapter.op_dtype(chosen, op, input_dtype)
@@ -145,7 +146,7 @@ def test_op_dtype_matches_decide(backend: BackendUnderTest, policy_name: str, op
         expected = backend.expected_dtype(op, expected)
         got = backend.adapter.op_dtype(chosen, op, input_dtype)
         if got != expected:
-            why = chosen.explain(op, (input_dtype,))
+            why = chosen.explain(op, (input_dtype,), module_class=classes)
             wrong.append(
                 f"inputs {input_dtype}: ran in {got}, policy.decide says {expected}\n    {why}"
             )

@@ -24,7 +24,14 @@ from mixprec.spec import resolve_for_device
 from mixprec.traced_scale import check_traceable
 from mixprec.visibility import check_rules_visible
 
-__all__ = ["UNSEEN_OPS", "capabilities", "check_dtypes", "device_name", "resolve_policy"]
+__all__ = [
+    "UNSEEN_OPS",
+    "capabilities",
+    "check_dtype",
+    "check_dtypes",
+    "device_name",
+    "resolve_policy",
+]
 
 _OPERATORS = "Python operators (x + y) and array methods reach no function a plugin can wrap"
 _NO_SUCH_OP = "JAX and optax have no such function"
@@ -71,20 +78,24 @@ def capabilities() -> Capabilities:
     )
 
 
+def check_dtype(dtype: str, device: str, what: str) -> None:
+    """Refuse a dtype ``device`` cannot compute in, naming the fix."""
+    cap = capabilities().device(device)
+    if dtype not in cap.compute_dtypes:
+        fix = "'O2-bf16'" if BFLOAT16 in cap.compute_dtypes else "'O0' (float32)"
+        raise UnsupportedDtypeError(
+            f"the JAX backend's device {cap.device} cannot compute in {dtype} ({what}); it "
+            f"runs {', '.join(cap.compute_dtypes)}. Use a policy in those dtypes, such as {fix}"
+        )
+
+
 def check_dtypes(policy: Policy, device: str) -> None:
     """Refuse a policy whose dtypes ``device`` cannot compute in, naming the fix."""
-    cap = capabilities().device(device)
     for role in ("param", "compute", "output", "reduce", "master"):
         dtype = getattr(policy, role)
         if role == "master" and (dtype is None or policy.master_strategy):
             continue
-        if dtype not in cap.compute_dtypes:
-            fix = "'O2-bf16'" if BFLOAT16 in cap.compute_dtypes else "'O0' (float32)"
-            raise UnsupportedDtypeError(
-                f"the JAX backend's device {cap.device} cannot compute in {dtype} (the "
-                f"policy's {role} dtype); it runs {', '.join(cap.compute_dtypes)}. Use a "
-                f"policy in those dtypes, such as {fix}"
-            )
+        check_dtype(dtype, device, f"the policy's {role} dtype")
 
 
 def resolve_policy(spec: str | Policy, device: str = "cpu") -> Policy:
