@@ -295,6 +295,17 @@ def trace_cases(backend: BackendUnderTest) -> list[Case]:
     return [(n, (n,)) for n in ["O0", *names] if backend.runs(n)]
 
 
+def unseen_op_cases(backend: BackendUnderTest) -> list[Case]:
+    """The op families the backend declares it cannot see (``capabilities().unseen_ops``)
+    but the framework has: a casting rule on them must be refused."""
+    assert backend.capabilities is not None
+    return [
+        (entry.op, (entry.op,))
+        for entry in backend.capabilities.unseen_ops
+        if entry.native != "absent"
+    ]
+
+
 def saved_dtype_cases(backend: BackendUnderTest) -> list[Case]:
     """Presets whose checkpoints hold float32 values (masters, weight + compensation, or
     float32 params)."""

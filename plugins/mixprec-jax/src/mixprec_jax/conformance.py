@@ -1,7 +1,8 @@
 """The JAX backend's entry into mixprec's conformance suite (:mod:`mixprec.testing`).
 
 The adapter runs each op family the plugin sees (a flax module or a function called by
-name) under :func:`~mixprec_jax.policy_scope` and reports the dtype of what it returned;
+name) under :func:`~mixprec_jax.policy_scope` and reports the dtype of what it returned
+(for a module, as it computed it, before an O2 island casts it back);
 the trainer is a small flax MLP with momentum SGD whose jitted step is compiled once per
 policy and shared by every trainer of that policy (steps are pure functions).
 
@@ -27,7 +28,7 @@ import optax
 from mixprec.errors import PolicyError
 from mixprec.policy import Policy
 from mixprec_jax import intercept
-from mixprec_jax.casting import PyTree, cast, cast_floating, dtype_name
+from mixprec_jax.casting import PyTree, cast, cast_floating, dtype_name, jax_dtype
 from mixprec_jax.devices import check_dtype, resolve_policy
 from mixprec_jax.optimizer import Optimizer
 from mixprec_jax.state import State
@@ -40,20 +41,15 @@ __all__ = ["SUPPORTED_OPS", "JaxConformanceAdapter", "JaxConformanceTrainer", "p
 # Single ops
 # ------------------------------------------------------------------------------------------
 
-_seen: list[Any] = []
-
-
 class _Outer(nn.Module):
-    """A root around the layer under test, so its output is not the model's boundary
-    (which casts to the policy's output dtype); it records the layer's output dtype."""
+    """A root around the layer under test, so the layer is not the model's boundary (which
+    casts to the policy's output dtype)."""
 
     layer: nn.Module
 
     @nn.compact
     def __call__(self, *args: Any) -> Any:
-        out = self.layer(*args)
-        _seen.append(jax.tree_util.tree_leaves(out)[-1].dtype)
-        return out
+        return self.layer(*args)
 
 
 def _modules() -> dict[str, tuple[Callable[[], nn.Module], Callable[[jax.Array], tuple[Any, ...]]]]:
@@ -138,19 +134,24 @@ class JaxConformanceAdapter:
     def op_dtype(self, policy: Policy, op: str, input_dtype: str) -> str:
         policy = resolve_policy(policy, self.device)
         check_dtype(input_dtype, self.device, "the op's inputs")
-        x = cast(jnp.asarray(np.random.default_rng(0).standard_normal((4, 3)), jnp.float32),
-                 input_dtype)  # fmt: skip
+        # Dtypes are static in JAX: tracing abstractly (jax.eval_shape) runs the plugin's
+        # interception exactly as a jitted step does, without compiling a kernel per case.
+        x = jax.ShapeDtypeStruct((4, 3), jax_dtype(input_dtype))
         if op in _modules():
             outer, variables, args = _initialised(op)
-            variables = cast_floating(variables, input_dtype)
-            args = tuple(cast(a, input_dtype) for a in args)
-            _seen.clear()
-            with intercept.policy_scope(policy):
-                outer.apply(variables, *args)
-            return dtype_name(_seen[-1])
+
+            def run(variables: PyTree, *args: Any) -> Any:
+                variables = cast_floating(variables, input_dtype)
+                return outer.apply(variables, *(cast(a, input_dtype) for a in args))
+
+            with intercept.policy_scope(policy) as scope:
+                jax.eval_shape(run, variables, *args)
+            computed = scope.modules["layer"].output  # before an island's cast back
+            assert computed is not None
+            return computed
         if op in _functions():
             with intercept.policy_scope(policy):
-                out = _functions()[op](x)
+                out = jax.eval_shape(_functions()[op], x)
             return dtype_name(jax.tree_util.tree_leaves(out)[0])
         raise PolicyError(f"the JAX backend has no {op!r} op; it has {', '.join(SUPPORTED_OPS)}")
 

@@ -72,6 +72,7 @@ def dtype_report(policy: Policy, weights: PyTree, modules: Modules | None) -> st
     notes = unseen_notes(policy, capabilities())
     if modules is None:
         notes.insert(0, "module classes unknown (no step traced yet): class rules not shown")
-    stored = {dtype_name(x) for x in jax.tree_util.tree_leaves(weights)}
-    footer = [f"stored weights: {', '.join(sorted(stored))}"] + [f"jax: {n}" for n in notes]
+    kept = ", ".join(sorted({dtype_name(x) for x in jax.tree_util.tree_leaves(weights)}))
+    footer = [f"the optimizer keeps: {policy.describe_master()} ({kept})"]
+    footer += [f"jax: {n}" for n in notes]
     return report + "\n" + "\n".join(footer)

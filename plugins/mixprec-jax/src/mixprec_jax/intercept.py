@@ -8,7 +8,9 @@ JAX has no hook on every op. A plugin can see two things while a function is tra
   asks ``policy.decide`` once; its floating inputs are cast to the answer and its ``dtype``
   field (flax's "dtype of the computation") is set to it for the call, so everything inside
   runs in that dtype. Any other module passes its path and classes on to the ops it calls,
-  and a module rule that pins it casts its inputs.
+  and a module rule that pins it casts its inputs. A pinned module is an *island* under
+  O2/O3 (no op lists): its outputs go back to the dtype around it, so a float32
+  ``BatchNorm`` hands bfloat16 to the next layer, as on the torch backend.
 - **functions called by name** (:data:`FUNCTION_FAMILIES`): ``jnp.matmul``,
   ``jax.nn.softmax``, ``optax.softmax_cross_entropy_with_integer_labels`` ... are replaced,
   for the duration of the scope, by wrappers that ask ``policy.decide`` and cast their
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -123,6 +126,9 @@ class ModuleSeen:
     classes: tuple[str, ...]
     family: str | None
     dtype: str | None
+    """The dtype its op family decided (a mapped module) or a rule pins (None: neither)."""
+    output: str | None = None
+    """The dtype of its last floating output as it computed it, before any cast back."""
 
 
 @dataclass
@@ -131,7 +137,8 @@ class Scope:
 
     policy: Policy
     thread: int = field(default_factory=threading.get_ident)
-    stack: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    stack: list[tuple[str, tuple[str, ...], str]] = field(default_factory=list)
+    """(path, classes, the dtype around the ops inside) of each open module call."""
     deciding: int = 0
     modules: dict[str, ModuleSeen] = field(default_factory=dict)
     ops: list[tuple[str, str | None, str]] = field(default_factory=list)
@@ -139,7 +146,11 @@ class Scope:
 
     def where(self) -> tuple[str | None, tuple[str, ...] | None]:
         """The innermost module's path and classes (None outside every module)."""
-        return self.stack[-1] if self.stack else (None, None)
+        return self.stack[-1][:2] if self.stack else (None, None)
+
+    def around(self) -> str:
+        """The dtype around the innermost module: a pinned ancestor's, else ``param``."""
+        return self.stack[-1][2] if self.stack else self.policy.param
 
 
 _lock = threading.RLock()  # re-entrant: a step traced inside a user's scope opens its own
@@ -218,40 +229,45 @@ def _interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: 
         return next_fun(*args, **kwargs)
     module = context.module
     path, classes = ".".join(str(p) for p in module.path), module_classes(module)
+    policy, around = scope.policy, scope.around()
+    pinned = policy.module_dtype(path, classes)
     family = family_of(classes)
-    policy = scope.policy
     if family is None:
-        pinned = policy.module_dtype(path, classes)
         if pinned is not None:
             args = _cast_args(args, pinned)
         scope.modules.setdefault(path, ModuleSeen(path, classes, None, pinned))
-        scope.stack.append((path, classes))
+        scope.stack.append((path, classes, pinned or around))
         try:
             out = next_fun(*args, **kwargs)
         finally:
             scope.stack.pop()
-        if path == "":  # the model's boundary: outputs in the policy's output dtype
-            out = jax.tree_util.tree_map(lambda x: cast(x, policy.output), out)
-        return out
-    inputs = _floating_dtypes((args, kwargs)) or _floating_dtypes(module.variables.get("params"))
-    dtype = policy.decide(family, inputs, module=path, module_class=classes).dtype
-    scope.modules[path] = ModuleSeen(path, classes, family, dtype)
-    has_dtype = any(f.name == "dtype" for f in dataclasses.fields(module))
-    previous = module.dtype if has_dtype else None
-    if has_dtype:  # flax's "dtype of the computation", for this call only
-        object.__setattr__(module, "dtype", jax_dtype(dtype))
-    try:
-        with _deciding(scope):
-            out = next_fun(*_cast_args(args, dtype), **kwargs)
-    finally:
-        if has_dtype:
-            object.__setattr__(module, "dtype", previous)
-    if path == "":
-        out = jax.tree_util.tree_map(lambda x: cast(x, policy.output), out)
+    else:
+        inputs = _floating_dtypes((args, kwargs)) or _floating_dtypes(
+            module.variables.get("params")
+        )
+        dtype = policy.decide(family, inputs, module=path, module_class=classes).dtype
+        has_dtype = any(f.name == "dtype" for f in dataclasses.fields(module))
+        previous = module.dtype if has_dtype else None
+        if has_dtype:  # flax's "dtype of the computation", for this call only
+            object.__setattr__(module, "dtype", jax_dtype(dtype))
+        try:
+            with _deciding(scope):
+                out = next_fun(*_cast_args(args, dtype), **kwargs)
+        finally:
+            if has_dtype:
+                object.__setattr__(module, "dtype", previous)
+        outputs = _floating_dtypes(out)
+        scope.modules[path] = ModuleSeen(path, classes, family, dtype, (outputs or (None,))[-1])
+    if path == "":  # the model's boundary: outputs in the policy's output dtype
+        return jax.tree_util.tree_map(lambda x: cast(x, policy.output), out)
+    if pinned is not None and not policy.casts_ops:
+        # an island (O2/O3): the next layer gets the dtype around it, as on the torch backend
+        return jax.tree_util.tree_map(lambda x: cast(x, around), out)
     return out
 
 
-def _targets() -> list[tuple[Any, str, str]]:
+@functools.cache
+def _targets() -> tuple[tuple[Any, str, str], ...]:
     """(module object, attribute, family) for every importable function of the table."""
     found = []
     for family, names in FUNCTION_FAMILIES.items():
@@ -263,7 +279,7 @@ def _targets() -> list[tuple[Any, str, str]]:
                 continue
             if hasattr(module, attr):
                 found.append((module, attr, family))
-    return found
+    return tuple(found)
 
 
 @contextlib.contextmanager

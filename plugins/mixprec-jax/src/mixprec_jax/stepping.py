@@ -108,14 +108,14 @@ def build_step(
             modules = discover_modules(opt, loss_fn, state, batch)
         dtypes = param_dtypes(policy, state.weights, modules)
         opt.check_stored_dtypes(state, dtypes, modules)
-        opt.seen_modules = modules
         params = forward_params(opt, state, dtypes)
         batch = cast_floating(batch, policy.compute)
         scale = state.loss_scale.scale
 
         def scaled_loss(params: PyTree) -> tuple[jax.Array, tuple[jax.Array, PyTree]]:
-            with policy_scope(policy):
+            with policy_scope(policy) as scope:
                 loss, model_state = _call(loss_fn, params, batch, state.model_state)
+            opt.seen_modules = {path: seen.classes for path, seen in scope.modules.items()}
             loss = jnp.asarray(loss).astype(jnp.float32)
             scaled = loss * scale if scale_config.enabled else loss
             return scaled, (loss, model_state)
