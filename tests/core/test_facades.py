@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib
-import os
 import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Iterator

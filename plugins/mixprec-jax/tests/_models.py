@@ -21,9 +21,7 @@ class MLP(nn.Module):
 
 def batch(seed: int = 0, n: int = 32) -> tuple[jax.Array, jax.Array]:
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.standard_normal((n, 6)), jnp.float32), jnp.asarray(
-        rng.integers(0, 3, n)
-    )
+    return jnp.asarray(rng.standard_normal((n, 6)), jnp.float32), jnp.asarray(rng.integers(0, 3, n))
 
 
 MODEL = MLP()

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tests._models import batch, loss_fn, params
 
 import mixprec.jax as mpj
 from mixprec_jax.compensation import kahan_split, round_with_noise
-from tests._models import batch, loss_fn, params
 
 reference = pytest.importorskip("mixprec_numpy.compensation")
 

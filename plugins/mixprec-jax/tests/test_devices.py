@@ -11,9 +11,9 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from tests._models import batch, loss_fn, params
 
 import mixprec.jax as mpj
-from tests._models import batch, loss_fn, params
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs two (host) devices")
 

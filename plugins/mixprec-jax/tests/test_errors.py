@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import optax
 import pytest
+from tests._models import MODEL, batch, params
 
 import mixprec
 import mixprec.jax as mpj
 from mixprec.errors import MixprecError, PolicyError, UnsupportedDtypeError, WrapError
-from tests._models import MODEL, batch, params
 
 
 def _never_traced(p: object, b: object) -> None:
@@ -20,8 +20,11 @@ def _never_traced(p: object, b: object) -> None:
     ("policy", "error", "match"),
     [
         (mixprec.get_policy("O1").with_ops(fp32=["add"]), PolicyError, r"cannot see 'add'"),
-        (mixprec.get_policy("O1-bf16").with_module("head", match="path", ops={"mul": "lowp"}),
-         PolicyError, r"module rule path:head puts 'mul' in lowp"),  # fmt: skip
+        (
+            mixprec.get_policy("O1-bf16").with_module("head", match="path", ops={"mul": "lowp"}),
+            PolicyError,
+            r"module rule path:head puts 'mul' in lowp",
+        ),
         ("O2,loss_scale=dynamic(on_floor=raise)", PolicyError, "on_floor='warn'"),
         ("O3-bf16-kahan,state=bfloat16", UnsupportedDtypeError, "state=bfloat16"),
     ],
@@ -46,7 +49,7 @@ def test_bad_arguments(kwargs: dict, error: type[Exception]) -> None:  # type: i
 
 def test_class_pins_without_masters_need_the_modules() -> None:
     policy = mixprec.get_policy("O3-bf16").with_module("Dense", "float32")
-    with pytest.raises(WrapError, match="modules=mixprec.jax.modules_of"):
+    with pytest.raises(WrapError, match=r"modules=mixprec\.jax\.modules_of"):
         mpj.Optimizer(optax.adam(1e-3), policy).init(params())
     modules = mpj.modules_of(MODEL, batch()[0])
     assert modules["head"][0] == "Dense"

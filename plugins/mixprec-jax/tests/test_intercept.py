@@ -7,10 +7,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from tests._models import MODEL, batch, loss_fn, params
 
 import mixprec
 import mixprec.jax as mpj
-from tests._models import MODEL, batch, loss_fn, params
 
 
 def _dot_dtypes(fn: object, *args: object) -> list[str]:

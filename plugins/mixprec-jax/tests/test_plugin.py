@@ -21,9 +21,12 @@ def test_registered_under_the_mixprec_group_and_reached_through_the_facade() -> 
 
 def test_mixprec_backends_lists_jax_with_its_dtypes() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "mixprec.cli", "backends"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "mixprec.cli", "backends"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
-    block = out[out.index("jax "):]
+    block = out[out.index("jax ") :]
     assert "cpu:0: float32, bfloat16, float16" in block
     assert "ops it cannot see (run as promote): add, div, mul, sub" in block
 

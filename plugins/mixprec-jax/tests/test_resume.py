@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tests._models import batch, loss_fn, params
 
 import mixprec.jax as mpj
 from mixprec.errors import CheckpointError
-from tests._models import batch, loss_fn, params
 
 OVERFLOWS = (False, True, False, False, True, False, False, False)
 

@@ -6,19 +6,19 @@ overflow pattern gives the same sequence of scales on every backend.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import warnings
+from tests._models import batch, loss_fn, params
 
 import mixprec
 import mixprec.jax as mpj
 from mixprec.loss_scale import DynamicScale
 from mixprec.traced_scale import ScaleState, next_scale
-from tests._models import batch, loss_fn, params
 
 configs = st.builds(
     DynamicScale,
@@ -31,8 +31,6 @@ configs = st.builds(
     max=st.sampled_from([2.0**24, 2.0**127]),
     refill=st.sampled_from(["growth", "finite"]),
 )
-
-
 
 
 @settings(max_examples=15, deadline=None)

@@ -19,6 +19,7 @@ from typing import IO, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 from mixprec.atomic import atomic_path
 from mixprec.errors import CheckpointError
@@ -34,7 +35,7 @@ _META = "__meta__"
 _BITS = {"bfloat16": np.uint16}
 
 
-def _arrays(tree: PyTree) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _arrays(tree: PyTree) -> tuple[dict[str, npt.NDArray[Any]], dict[str, str]]:
     arrays, dtypes = {}, {}
     for name, leaf in zip(leaf_names(tree), jax.tree_util.tree_leaves(tree), strict=True):
         value = np.asarray(jax.device_get(leaf))
@@ -68,7 +69,7 @@ def save_params(file: str | IO[bytes], params: PyTree, policy: Policy) -> None:
     _write(file, arrays, {"format": FORMAT, "policy": policy.to_dict(), "dtypes": dtypes})
 
 
-def _read(file: str | IO[bytes]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def _read(file: str | IO[bytes]) -> tuple[dict[str, npt.NDArray[Any]], dict[str, Any]]:
     try:
         with np.load(file, allow_pickle=False) as saved:
             arrays = {name: saved[name] for name in saved.files}

@@ -63,7 +63,7 @@ def new_key_data(seed: int) -> jax.Array:
 
 
 def _compensated(w: jax.Array) -> bool:
-    return w.dtype == jnp.bfloat16
+    return bool(w.dtype == jnp.bfloat16)
 
 
 def working_values(strategy: str, weights: PyTree, compensation: PyTree) -> PyTree:

@@ -41,6 +41,7 @@ __all__ = ["SUPPORTED_OPS", "JaxConformanceAdapter", "JaxConformanceTrainer", "p
 # Single ops
 # ------------------------------------------------------------------------------------------
 
+
 class _Outer(nn.Module):
     """A root around the layer under test, so the layer is not the model's boundary (which
     casts to the policy's output dtype)."""
