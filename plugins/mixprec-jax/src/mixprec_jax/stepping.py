@@ -122,8 +122,10 @@ def build_step(
 
         (_, (loss, model_state)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
         grads = to_float32(grads)
-        local_bad = jnp.logical_not(jnp.isfinite(_sum_of_squares(grads)))
+        local_bad = jnp.asarray(False)
         if axis_name is not None:
+            # each device checks its own gradients too: the average may hide an overflow
+            local_bad = jnp.logical_not(jnp.isfinite(_sum_of_squares(grads)))
             # the gradients travel in the policy's reduce dtype, still scaled
             grads = to_float32(
                 jax.lax.pmean(cast_floating(grads, policy.reduce), axis_name=axis_name)
