@@ -76,3 +76,12 @@ def test_on_floor_raise_is_refused_for_a_compiled_step() -> None:
     with pytest.raises(MixprecError, match="on_floor='warn'"):
         check_traceable(DynamicScale(on_floor="raise"), "jax")
     check_traceable(DynamicScale(), "jax")
+
+
+def test_growth_stops_below_the_float32_range_even_without_a_ceiling() -> None:
+    config = DynamicScale(init=2.0**120, growth=2.0**4, interval=1, max=math.inf)
+    state, traced = config, initial_scale(config)
+    for _ in range(4):
+        state = state.update(False).state
+        traced = next_scale(config, traced, False, python_where).state
+    assert traced.scale == state.scale == 2.0**124
