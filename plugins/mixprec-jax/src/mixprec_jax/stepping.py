@@ -61,11 +61,14 @@ def discover_modules(opt: Optimizer, loss_fn: LossFn, state: State, batch: PyTre
         found.update({path: seen.classes for path, seen in scope.modules.items()})
         return out
 
-    shapes = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-        (to_float32(state.weights), batch, state.model_state),
+    def shape(x: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
+
+    shapes = (
+        jax.tree_util.tree_map(lambda x: shape(x, jnp.float32), state.weights),
+        jax.tree_util.tree_map(shape, (batch, state.model_state)),
     )
-    jax.eval_shape(run, *shapes)
+    jax.eval_shape(run, shapes[0], *shapes[1])
     return found
 
 
