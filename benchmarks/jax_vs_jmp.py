@@ -34,15 +34,15 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_multi_thread_eigen=false"]
 ).strip()
 
-import flax.linen as nn  # noqa: E402 - XLA_FLAGS must be set before jax starts
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import jmp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
 
-import mixprec.jax as mpj  # noqa: E402
+import mixprec.jax as mpj
 
 Step = Callable[[Any, Any], tuple[jax.Array, Any]]
 
