@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from mixprec.policy import Policy
 
 __all__ = [
+    "KNOWN_PLUGINS",
     "BackendStatus",
     "backend_info",
     "broken_plugins",
@@ -65,6 +66,13 @@ BACKEND_ALIASES: dict[str, str] = {
     "gluon": "mxnet",
     "mx": "mxnet",
     "np": "numpy",
+}
+
+#: Backends third-party plugins provide, as ``name -> (distribution, mixprec extra)``, so
+#: that ``mixprec.<name>`` and :func:`load_backend` say what to install when the plugin is
+#: missing instead of reporting an unknown name.
+KNOWN_PLUGINS: dict[str, tuple[str, str]] = {
+    "jax": ("mixprec-jax", "jax"),
 }
 
 # Every module-level global below is read without a lock and changed only under _lock.
@@ -259,6 +267,13 @@ def _unknown_backend(name: str) -> str:
         )
     declared = {info.name: info for _, info in _declared()}
     known = ", ".join(sorted(declared)) or "none"
+    if name in KNOWN_PLUGINS and name not in declared:
+        distribution, extra = KNOWN_PLUGINS[name]
+        return (
+            f"the {name!r} backend comes from the {distribution} plugin, which is not "
+            f"installed. Install it with: pip install 'mixprec[{extra}]' (from a source "
+            f"checkout: pip install ./plugins/{distribution}). Installed backends: {known}"
+        )
     guess = BACKEND_ALIASES.get(name.strip().lower())
     if guess not in declared:
         close = difflib.get_close_matches(name, list(declared), n=1, cutoff=0.6)
