@@ -45,7 +45,7 @@ from .gluon_private import children, clear_cached_graph, is_active, own_params, 
 from .graph import BlockInfo, blocks_of, install_graph_pass
 from .islands import chained_islands, enter, install_op_islands, leave
 from .kernels import warn_islands
-from .ops import island_natives, unsupported_natives
+from .ops import unsupported_natives
 from .symbol_blocks import fp32_params_by_op, install_symbol_islands
 
 __all__ = [
@@ -176,7 +176,7 @@ def convert_net(
             clear_cached_graph(info.block)
     _install_boundary(net, policy, before_forward)
     if is_low_precision(policy.compute):
-        warn_islands(policy.label, island_natives(policy.compute, device))
+        warn_islands(policy.label, policy.compute, device)
 
 
 def _install_op_casting(net: gluon.Block, policy: Policy, device: str) -> None:

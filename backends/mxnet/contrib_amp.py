@@ -45,7 +45,7 @@ from .devices import device_key, resolve_policy
 from .gluon_private import children, gluon_trainer_args, has_stepped
 from .graph import install_graph_pass, reduce_precision
 from .kernels import warn_islands
-from .ops import amp_lists, island_natives
+from .ops import amp_lists
 from .trainer import Trainer
 
 __all__ = [
@@ -261,7 +261,7 @@ def convert_hybrid_block(
         params.reset_ctx(ctx)
     device = device_key(contexts[0])
     install_graph_pass(block, policy, device)
-    warn_islands(policy.label, island_natives(policy.compute, device))
+    warn_islands(policy.label, policy.compute, device)
     return block
 
 
