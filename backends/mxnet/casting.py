@@ -40,7 +40,7 @@ from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.policy import Policy
 
-from .dtypes import cast, dtype_name, mx_dtype
+from .dtypes import cast, default_layout, dtype_name, mx_dtype
 from .gluon_private import children, clear_cached_graph, is_active, own_params, replace_param_data
 from .graph import BlockInfo, blocks_of, install_graph_pass
 from .islands import chained_islands, enter, install_op_islands, leave
@@ -154,7 +154,8 @@ def cast_param(param: gluon.Parameter, dtype: str) -> None:
     if dtype_name(param.dtype) == dtype:
         return
     with autograd.pause():
-        replace_param_data(param, mx_dtype(dtype), lambda data: cast(data, dtype))
+        # the weights may be in a blocked layout after an inference forward pass
+        replace_param_data(param, mx_dtype(dtype), lambda data: cast(default_layout(data), dtype))
 
 
 def convert_net(
@@ -214,7 +215,11 @@ def _install_islands(net: gluon.Block, policy: Policy, device: str) -> None:
 
 def _blocked_conv_output(x: Any, params: Any) -> bool:
     """Whether the Symbol ``x`` is a ``Convolution`` whose oneDNN output is in a blocked layout
-    (input channels known and a multiple of 16; a first layer's 3 channels give plain NCHW)."""
+    (input channels known and a multiple of 16; a first layer's 3 channels give plain NCHW).
+
+    Read once the weights have their shapes: the Trainer traces a deferred net again after
+    finishing its initialisation, so that a net whose shapes were loaded and one whose shapes
+    were inferred get the same graph (and resume bit for bit)."""
     graph = json.loads(x.tojson())
     nodes = graph["nodes"]
     head = nodes[graph["heads"][0][0]]

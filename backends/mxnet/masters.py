@@ -28,7 +28,7 @@ from mixprec.masters import MasterWeights
 from . import distributed
 from .casting import cast_param
 from .compensation import Compensation, compensated_pairs
-from .dtypes import cast, cast_into, dtype_name, mx_dtype
+from .dtypes import cast, cast_into, default_layout, dtype_name, mx_dtype
 from .gluon_private import init_from, is_deferred, params_with_prefix
 
 if TYPE_CHECKING:
@@ -102,7 +102,8 @@ class MasterSetup:
     def _make_master(self, param: gluon.Parameter) -> gluon.Parameter:
         dtype = FLOAT32 if self._transient else self.policy.master or FLOAT32
         master = gluon.Parameter(param.name, shape=param.shape, dtype=mx_dtype(dtype))
-        init_from(master, cast(param.list_data()[0], dtype), param.list_ctx())
+        value = cast(default_layout(param.list_data()[0]), dtype)
+        init_from(master, value, param.list_ctx())
         return master
 
     def sync_transient_masters(self) -> None:
@@ -114,7 +115,7 @@ class MasterSetup:
             for param, master in self.masters.copied_pairs():
                 for data, weight in zip(param.list_data(), master.list_data(), strict=True):
                     if comp is None or not comp.handles(weight):
-                        cast_into(data, weight)
+                        cast_into(default_layout(data), weight)
             if comp is not None:
                 comp.fill()
 

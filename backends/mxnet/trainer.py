@@ -46,7 +46,13 @@ from .compensation import Compensation
 from .devices import device_key, resolve_policy
 from .dtypes import dtype_name
 from .export import patch_export
-from .gluon_private import dense_embedding_grad, finish_deferred_init, is_deferred, is_sparse
+from .gluon_private import (
+    clear_cached_graph,
+    dense_embedding_grad,
+    finish_deferred_init,
+    is_deferred,
+    is_sparse,
+)
 from .graph import blocks_of
 from .ops import island_natives
 from .ownership import Snapshot, check_unclaimed, claim
@@ -192,6 +198,12 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         for param in deferred:
             if is_deferred(param):
                 finish_deferred_init(param)
+        if deferred and net is not None:
+            # the shape inference traced the graphs before the weights had shapes: trace
+            # again, so that the graph is the one a net with loaded shapes gets (the casts
+            # around BatchNorm read the convolution's channels)
+            for info in blocks_of(net):
+                clear_cached_graph(info.block)
         # the first forward pass may run inside autograd.record(), which refuses the writes
         # that set up masters, casts and the kvstore broadcast (none of them is part of the
         # graph): O3-bf16's float32 update copies used to fail there

@@ -344,33 +344,3 @@ def test_o1_warns_when_the_graph_is_switched_off() -> None:
     x, y = batch()
     with pytest.warns(MixprecWarning, match="hybridize"):
         _train(net, trainer, x, y, steps=1)
-
-
-def test_resume_into_a_fresh_net_before_its_first_forward_is_exact(tmp_path: Path) -> None:
-    """mobilenet0_25 (deferred shapes) under O2-bf16: parameters and states loaded into a
-    new net whose Trainer has not made its masters yet continue bit for bit."""
-    from mxnet.gluon.model_zoo import vision
-
-    def make() -> tuple[Any, Any]:
-        mx.random.seed(0)
-        net = vision.mobilenet0_25(pretrained=False, classes=4)
-        net.initialize(mx.init.Xavier())
-        net.hybridize()
-        return net, Trainer(net, "adam", {"learning_rate": 1e-2}, policy="O2-bf16")
-
-    rng = np.random.RandomState(0)
-    x, y = mx.nd.array(rng.rand(2, 3, 32, 32)), mx.nd.array([1, 2])
-    net, trainer = make()
-    _train(net, trainer, x, y, CE)
-    net.save_parameters(str(tmp_path / "p.params"))
-    trainer.save_states(str(tmp_path / "t.states"))
-    _train(net, trainer, x, y, CE)
-    fresh, resumed = make()
-    fresh.load_parameters(str(tmp_path / "p.params"))
-    resumed.load_states(str(tmp_path / "t.states"))
-    _train(fresh, resumed, x, y, CE)
-    for (name, p), q in zip(
-        net.collect_params().items(), fresh.collect_params().values(), strict=True
-    ):
-        a, b = (cast(v.data(), "float32").asnumpy() for v in (p, q))
-        np.testing.assert_array_equal(a, b, err_msg=name)
