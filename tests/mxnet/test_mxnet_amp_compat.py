@@ -166,7 +166,10 @@ def test_scaling_is_exact_and_unscale_serves_the_clipping_recipe() -> None:
     amp.unscale(trainer)
     grads = [p.grad() for p in net.collect_params().values()]
     for got, want in zip(grads, expected, strict=True):
-        np.testing.assert_allclose(got.asnumpy(), want, rtol=2e-2, atol=1e-3)
+        # bfloat16 rounding where the CPU computes Dense in bfloat16 (a scale left in would
+        # be 1024x): within 2% of the gradient's norm
+        error = np.linalg.norm(got.asnumpy() - want)
+        assert error <= 0.02 * np.linalg.norm(want), (error, np.linalg.norm(want))
     gluon.utils.clip_global_norm(grads, max_norm=0.5)
     trainer.step(x.shape[0])
     assert mpx.state(trainer).loss_scale == 1024
