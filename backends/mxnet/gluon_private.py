@@ -52,10 +52,11 @@ __all__ = [
     "own_params",
     "params_with_prefix",
     "reduce_precision_symbol",
-    "reindex_update_counts",
     "replace_param_data",
     "set_cached_graph",
+    "set_update_counts",
     "type_code",
+    "update_counts",
 ]
 
 #: ``HybridBlock`` internals: ``_children`` and ``_reg_params`` are a block's sub-blocks and
@@ -283,20 +284,24 @@ def optimizer_step(optimizer: Any, index: int) -> tuple[float, float, int]:
     return float(optimizer._get_lr(index)), float(optimizer._get_wd(index)), int(t)
 
 
-def reindex_update_counts(optimizer: Any, new_index: dict[int, int]) -> None:
-    """Move an optimizer's per-parameter update counts (Adam's step ``t``) from the old
-    parameter indices to ``new_index[old]``, on every device.
+def update_counts(optimizer: Any) -> dict[int, dict[int, int]]:
+    """An optimizer's per-parameter update counts (Adam's step ``t``), ``{device: {index:
+    count}}``: the live dicts, which :func:`set_update_counts` fills in place.
 
-    Why private: MXNet keys the counts by parameter index in ``_all_index_update_counts``
-    (``_index_update_count`` is the current device's dict) and offers no way to renumber
-    them; ``load_states`` needs it when ``gluon.Trainer`` numbered the same parameters
-    differently (it sorts them by their global names, which depend on how many blocks the
-    process has made).
+    Why private: MXNet keeps them only in ``_all_index_update_counts`` (with
+    ``_index_update_count`` an alias of the current device's dict); a resumed Adam needs them.
     """
-    for counts in optimizer._all_index_update_counts.values():
-        moved = {new_index.get(k, k): v for k, v in counts.items()}
-        counts.clear()
-        counts.update(moved)
+    return optimizer._all_index_update_counts  # type: ignore[no-any-return]
+
+
+def set_update_counts(optimizer: Any, counts: dict[int, dict[int, int]]) -> None:
+    """Replace an optimizer's update counts by ``counts``, keeping each device's dict (the
+    current device's is aliased by ``_index_update_count``)."""
+    live = optimizer._all_index_update_counts
+    for device in list(live):
+        live[device].clear()
+    for device, per_index in counts.items():
+        live.setdefault(device, {}).update(per_index)
 
 
 def dense_embedding_grad(block: gluon.nn.Embedding) -> bool:

@@ -36,11 +36,12 @@ from mixprec.guard import NORM_LIMIT
 from mixprec.scaler import LossScaler
 from mixprec.step import Stage, StepTracker
 
-from . import checkpoint, distributed
+from . import distributed
 from .dtypes import cast, cast_into, mx_dtype
 from .gluon_private import consume_fresh_grad, has_fresh_grad
 from .masters import MasterSetup
 from .running_stats import RunningStats
+from .trainer_state import names_by_id
 
 __all__ = [
     "KEPT_OVERFLOWS",
@@ -227,7 +228,7 @@ def count_nonfinite(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
 def named_pairs(trainer: Stepping) -> list[tuple[str, gluon.Parameter, gluon.Parameter]]:
     """(name, model parameter, master) for every parameter with a gradient; names as
     ``net.save_parameters`` keys them (``"0.weight"``)."""
-    names = {id(p): n for n, p in checkpoint._named_params(trainer).items()}  # type: ignore[arg-type]
+    names = names_by_id(trainer)  # type: ignore[arg-type]
     return [(names.get(id(p), p.name), p, m) for p, m in trainer._trainable_pairs()]
 
 

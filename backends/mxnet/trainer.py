@@ -39,7 +39,7 @@ from mixprec.policy import Policy
 from mixprec.scaler import LossScaler, ScalerCounters
 from mixprec.step import StepTracker
 
-from . import checkpoint, optimizers  # noqa: F401 - optimizers registers "adamw"
+from . import checkpoint, optimizers, states  # noqa: F401 - optimizers registers "adamw"
 from .accumulation import check_grad_req, install_zero_grad
 from .casting import convert_net, param_dtypes
 from .compensation import Compensation
@@ -265,12 +265,12 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
     def save_states(self, fname: str) -> None:
         """Save the optimizer state, the loss-scaler state and the policy."""
         self._ensure_prepared()
-        checkpoint.save_states(self, fname)
+        states.save_states(self, fname)
 
     def load_states(self, fname: str) -> None:
         """Load what :meth:`save_states` wrote (the policy must match this trainer's)."""
         self._ensure_prepared()
-        checkpoint.load_states(self, fname)
+        states.load_states(self, fname)
         self._tracker.reset()
         self._reduced = False
 
