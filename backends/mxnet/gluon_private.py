@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from mxnet import gluon
+from mxnet import gluon, nd
 from mxnet.base import _LIB, SymbolHandle, c_array_buf, c_str_array, check_call, mx_uint
 from mxnet.ndarray import _DTYPE_MX_TO_NP, _DTYPE_NP_TO_MX, NDArray
 from mxnet.symbol import Symbol
@@ -53,6 +53,7 @@ __all__ = [
     "params_with_prefix",
     "reduce_precision_symbol",
     "replace_param_data",
+    "retrace_graph",
     "set_cached_graph",
     "set_update_counts",
     "type_code",
@@ -63,7 +64,9 @@ __all__ = [
 #: own parameters (Gluon 1.x exposes only the recursive ``collect_params``); ``_cached_graph``,
 #: ``_get_graph``, ``_clear_cached_op`` and ``_active`` let O1 install the converted graph in
 #: the user's own net (``amp.convert_hybrid_block`` returns a copy instead);
-#: ``_collect_params_with_prefix`` gives the names ``save_parameters`` writes.
+#: ``_collect_params_with_prefix`` gives the names ``save_parameters`` writes; ``_in_format``
+#: is the structure of the inputs of the last traced call and ``_build_cache`` traces and
+#: caches the graph for inputs of that structure (``export`` before the next forward).
 BLOCK_STATE = (
     "_children",
     "_reg_params",
@@ -72,6 +75,8 @@ BLOCK_STATE = (
     "_clear_cached_op",
     "_active",
     "_collect_params_with_prefix",
+    "_in_format",
+    "_build_cache",
 )
 
 #: ``Parameter`` internals: ``_grad`` tells whether gradient buffers exist (as
@@ -218,6 +223,26 @@ def install_traced_graph(net: gluon.HybridBlock, convert: Any) -> None:
     net._clear_cached_op()
     if not net._active:
         net.hybridize()
+
+
+def retrace_graph(block: gluon.HybridBlock) -> None:
+    """Trace and cache ``block``'s graph again, for float32 inputs structured as those of the
+    call that traced it last (a conversion cleared the graph; ``export`` needs the graph and
+    the parameter list ``_build_cache`` makes, before a forward).
+
+    Why private: a traced graph depends only on the inputs' structure, which Gluon keeps in
+    ``_in_format``; ``_build_cache`` traces with placeholders of that structure (the
+    parameters are initialised already, so their values are not read).
+    """
+
+    def build(fmt: Any) -> Any:
+        if isinstance(fmt, int):
+            if fmt == 0:
+                return nd.zeros((1,))
+            return None if fmt == -1 else [nd.zeros((1,)) for _ in range(fmt)]
+        return [build(f) for f in fmt]
+
+    block._build_cache(*build(block._in_format))
 
 
 def compose(sym: Symbol, **inputs: Symbol) -> Symbol:

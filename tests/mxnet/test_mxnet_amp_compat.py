@@ -296,6 +296,28 @@ def test_convert_hybrid_block_converts_the_block_in_place() -> None:
         amp.convert_hybrid_block(mlp(), "bfloat16", cast_optional_params=True)
 
 
+def test_a_converted_block_exports_before_another_forward_pass(tmp_path: Path) -> None:
+    """MXNet's ``convert_hybrid_block`` returns a block ready to export; the in-place
+    conversion cleared the traced graph, so ``export`` raised until the next forward."""
+    net = mlp()
+    net.hybridize()
+    x, _ = batch()
+    expected = net(x).asnumpy()
+    amp.convert_hybrid_block(net, target_dtype="bfloat16")
+    net.export(str(tmp_path / "fp32"))  # casts removed: the float32 model
+    net.export(str(tmp_path / "amp"), remove_amp_cast=False)
+    graph = json.loads((tmp_path / "amp-symbol.json").read_text(encoding="utf-8"))
+    assert "amp_cast" in {node["op"] for node in graph["nodes"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MXNet: "Cannot decide type ... data"
+        plain = gluon.SymbolBlock.imports(
+            str(tmp_path / "fp32-symbol.json"), ["data"], str(tmp_path / "fp32-0000.params")
+        )
+    np.testing.assert_array_equal(plain(x).asnumpy(), expected)
+    converted = net(x)  # and the block itself runs its converted graph
+    np.testing.assert_allclose(converted.asnumpy(), expected, rtol=5e-2, atol=5e-2)
+
+
 def test_convert_model_casts_per_the_lists_and_keeps_the_params() -> None:
     data = mx.sym.var("data")
     fc = mx.sym.FullyConnected(data, num_hidden=4, name="fc")
