@@ -76,7 +76,7 @@ _LAYER_OPS = {
 #: Ops whose other inputs MXNet requires in float32 (BatchNorm's gamma/beta/statistics, the
 #: last two updated in place): only their data input is cast, so the statistics stay the
 #: parameters' own arrays and not a temporary copy.
-DATA_ONLY_OPS = frozenset({"BatchNorm", "_contrib_SyncBatchNorm"})
+DATA_ONLY_OPS = frozenset({"BatchNorm", "_contrib_BatchNormWithReLU", "_contrib_SyncBatchNorm"})
 
 #: Ops that only move elements (no arithmetic): casting commutes with them bit for bit, so
 #: between two islands they run on the float32 value and the chain goes on through them.

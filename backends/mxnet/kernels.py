@@ -37,6 +37,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import mxnet as mx
 from mxnet import autograd, nd
@@ -78,9 +79,9 @@ def _deconvolution(x: nd.NDArray) -> nd.NDArray:
     return nd.Deconvolution(x, _b(2, 2, 3, 3), no_bias=True, kernel=(3, 3), num_filter=2)
 
 
-def _batch_norm(x: nd.NDArray) -> nd.NDArray:
+def _batch_norm(x: nd.NDArray, op: Any = nd.BatchNorm) -> nd.NDArray:
     ones, zeros = nd.ones((2,)), nd.zeros((2,))  # MXNet's BatchNorm keeps these in float32
-    return nd.BatchNorm(x, ones, zeros, zeros.copy(), ones.copy())
+    return op(x, ones, zeros, zeros.copy(), ones.copy())  # type: ignore[no-any-return]
 
 
 #: Native op -> a tiny call of it on a (1, 2, 4, 4) bfloat16 input. The ops whose bfloat16 CPU
@@ -91,6 +92,8 @@ PROBED_OPS: dict[str, Callable[[nd.NDArray], nd.NDArray]] = {
     "Convolution": _convolution,
     "Deconvolution": _deconvolution,
     "BatchNorm": _batch_norm,
+    # gluon.nn.BatchNormReLU's op, in graphs that models exported with it hold
+    "_contrib_BatchNormWithReLU": lambda x: _batch_norm(x, nd.contrib.BatchNormWithReLU),
     "Pooling": lambda x: nd.Pooling(x, kernel=(2, 2), pool_type="max"),
     "Activation": lambda x: nd.Activation(x, act_type="relu"),
     "LeakyReLU": lambda x: nd.LeakyReLU(x, act_type="leaky"),

@@ -55,6 +55,9 @@ LAYER_CALLS: dict[str, Callable[[nd.NDArray], nd.NDArray]] = {
     "BatchNorm": lambda x: nd.BatchNorm(
         x, nd.ones((8,)), nd.zeros((8,)), nd.zeros((8,)), nd.ones((8,))
     ),
+    "_contrib_BatchNormWithReLU": lambda x: nd.contrib.BatchNormWithReLU(
+        x, nd.ones((8,)), nd.zeros((8,)), nd.zeros((8,)), nd.ones((8,))
+    ),
     "Pooling": lambda x: nd.Pooling(x, kernel=(2, 2), stride=(2, 2), pool_type="max"),
     "Activation": lambda x: nd.Activation(x, act_type="relu"),
     "LeakyReLU": lambda x: nd.LeakyReLU(x, act_type="leaky", slope=0.1),

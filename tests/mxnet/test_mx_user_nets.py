@@ -20,7 +20,7 @@ import mixprec.mxnet  # noqa: E402
 from mixprec.errors import MixprecWarning, WrapError  # noqa: E402
 from mixprec_mxnet import Trainer  # noqa: E402
 from mixprec_mxnet.diagnostics import module_dtypes  # noqa: E402
-from mixprec_mxnet.dtypes import cast  # noqa: E402
+from mixprec_mxnet.dtypes import cast, dtype_name  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 
@@ -216,6 +216,40 @@ def test_imported_symbolblock_with_batchnorm_trains_under_o2_bf16(tmp_path: Path
     out = cast(block(x), "float32").asnumpy()
     np.testing.assert_allclose(out, reference, atol=0.05 * np.abs(reference).max())
     _train(block, trainer, x, y, CE)
+
+
+@pytest.mark.cpu_isa
+@pytest.mark.parametrize("imported", [True, False], ids=["SymbolBlock", "Gluon block"])
+def test_batchnorm_relu_keeps_float32_parameters_under_o2_bf16(
+    tmp_path: Path, imported: bool
+) -> None:
+    """``BatchNormReLU``'s op (``_contrib_BatchNormWithReLU``) needs float32 gamma/beta like
+    BatchNorm's; in an imported graph they became bfloat16 and MXNet refused the graph
+    ("Expected 'float32' v.s. given 'bfloat16' at 'gamma'")."""
+    mx.random.seed(0)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(16, 3, padding=1, in_channels=1), gluon.nn.BatchNormReLU(),
+            gluon.nn.Flatten(), gluon.nn.Dense(10))  # fmt: skip
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x, y = batch(image=True)
+    reference = net(x).asnumpy()
+    block = net
+    if imported:
+        net.export(str(tmp_path / "bnrelu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # MXNet: "Cannot decide type ... data"
+            block = gluon.SymbolBlock.imports(
+                str(tmp_path / "bnrelu-symbol.json"), ["data"], str(tmp_path / "bnrelu-0000.params")
+            )
+    trainer = Trainer(block, "sgd", {"learning_rate": 0.01}, policy="O2-bf16")
+    dtypes = {n: dtype_name(p.dtype) for n, p in block.collect_params().items()}
+    assert {dtypes[n] for n in dtypes if "batchnormrelu" in n} == {"float32"}
+    assert {dtypes[n] for n in dtypes if "conv" in n} == {"bfloat16"}
+    out = cast(block(x), "float32").asnumpy()
+    np.testing.assert_allclose(out, reference, atol=0.05 * np.abs(reference).max())
+    _train(block, trainer, x, y, CE)
+    assert not trainer.last_step_skipped
 
 
 @pytest.mark.cpu_isa
