@@ -43,7 +43,7 @@ from mixprec.policy import Policy
 from .dtypes import cast, default_layout, dtype_name, mx_dtype
 from .gluon_private import children, clear_cached_graph, is_active, own_params, replace_param_data
 from .graph import BlockInfo, blocks_of, install_graph_pass
-from .islands import chained_islands, enter, install_op_islands, leave
+from .islands import chained_islands, converting, enter, install_op_islands, leave
 from .kernels import warn_islands
 from .ops import unsupported_natives
 from .symbol_blocks import fp32_params_by_op, install_symbol_islands
@@ -166,8 +166,9 @@ def convert_net(
 ) -> None:
     """Install the policy's casts on ``net`` in place (parameters are cast by the caller).
 
-    :param before_forward: called with the inputs of the first call, before any cast
-        (the Trainer finishes deferred parameter initialisation there).
+    :param before_forward: called with the inputs of every call, before any cast (the
+        Trainer finishes deferred parameter initialisation at the first, and marks the
+        accumulating parameters before each recorded one).
     """
     if policy.casts_ops:
         _install_op_casting(net, policy, device)
@@ -244,6 +245,8 @@ def _wrap_island(block: gluon.Block, inside: str, outside: str, fused: Any = Non
         hybrid_forward = block.hybrid_forward
 
         def island(F: Any, x: Any, *args: Any, **params: Any) -> Any:
+            if not converting():
+                return hybrid_forward(F, x, *args, **params)
             if fused is not None and isinstance(x, Symbol) and _blocked_conv_output(x, fused):
                 # MXNet's oneDNN BatchNorm on blocked bfloat16 data computes in float32 with
                 # float32 gamma/beta/statistics: the island's two casts happen in the kernel
@@ -258,6 +261,8 @@ def _wrap_island(block: gluon.Block, inside: str, outside: str, fused: Any = Non
         forward = block.forward
 
         def island_forward(*args: Any) -> Any:
+            if not converting():
+                return forward(*args)
             return leave(forward(*enter(args, inside)), outside, inside)
 
         block.forward = island_forward
@@ -281,7 +286,6 @@ def _install_boundary(
         hook = state["before"]
         if hook is not None:
             hook(args)
-            state["before"] = None
         if graph_pass and not state["warned"] and not is_active(net):
             state["warned"] = True
             warnings.warn(

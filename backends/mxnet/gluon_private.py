@@ -35,6 +35,7 @@ __all__ = [
     "clear_cached_graph",
     "compose",
     "consume_fresh_grad",
+    "deferred_state",
     "dense_embedding_grad",
     "dtype_from_type_code",
     "finish_deferred_init",
@@ -53,6 +54,7 @@ __all__ = [
     "params_with_prefix",
     "reduce_precision_symbol",
     "replace_param_data",
+    "restore_deferred_state",
     "retrace_graph",
     "set_cached_graph",
     "set_update_counts",
@@ -83,7 +85,8 @@ BLOCK_STATE = (
 #: ``ParameterDict.zero_grad`` asks); ``_data``/``_dtype``/``_init_grad`` cast a parameter with
 #: round-to-nearest (``Parameter.cast`` truncates through ``astype``); ``_deferred_init``,
 #: ``_finish_deferred_init`` and ``_init_impl`` finish shapes before the first cast and create
-#: masters; ``_stype``/``_grad_stype`` detect sparse parameters, which need the kvstore update.
+#: masters; ``_stype``/``_grad_stype`` detect sparse parameters, which need the kvstore update;
+#: ``_shape``/``_ctx_list``/``_ctx_map`` are put back with them after a failed first forward.
 PARAMETER_STATE = (
     "_data",
     "_dtype",
@@ -94,6 +97,9 @@ PARAMETER_STATE = (
     "_init_impl",
     "_stype",
     "_grad_stype",
+    "_shape",
+    "_ctx_list",
+    "_ctx_map",
 )
 
 #: ``NDArray._fresh_grad``: gluon.Trainer's stale-gradient check, which a skipped step must
@@ -275,6 +281,29 @@ def is_active(block: gluon.HybridBlock) -> bool:
 def is_deferred(param: gluon.Parameter) -> bool:
     """Whether ``param`` still waits for its shape (deferred initialisation)."""
     return bool(param._deferred_init)
+
+
+#: What a deferred parameter's initialisation changes (shape, data, gradients, contexts).
+_DEFERRED_FIELDS = ("_shape", "_deferred_init", "_data", "_grad", "_ctx_list", "_ctx_map")
+
+
+def deferred_state(
+    params: Sequence[gluon.Parameter],
+) -> list[tuple[gluon.Parameter, dict[str, Any]]]:
+    """What :func:`restore_deferred_state` needs to undo a failed shape inference.
+
+    Why private: a shape inference that fails half-way (the first input does not fit the
+    net) leaves some parameters initialised with the wrong shapes; Gluon has no way back to
+    "deferred", so the fields it changed are put back.
+    """
+    return [(p, {name: getattr(p, name, None) for name in _DEFERRED_FIELDS}) for p in params]
+
+
+def restore_deferred_state(states: Sequence[tuple[gluon.Parameter, dict[str, Any]]]) -> None:
+    """Put deferred parameters back as :func:`deferred_state` found them."""
+    for param, fields in states:
+        for name, value in fields.items():
+            setattr(param, name, value)
 
 
 def finish_deferred_init(param: gluon.Parameter) -> None:

@@ -26,6 +26,7 @@ from mixprec.lint import check_scaler_without_masters
 from mixprec.masters import MasterWeights
 
 from . import distributed
+from .accumulation import Accumulation
 from .casting import cast_param
 from .compensation import Compensation, compensated_pairs
 from .dtypes import cast, cast_into, default_layout, dtype_name, mx_dtype
@@ -52,6 +53,7 @@ class MasterSetup:
     policy: Policy
     masters: MasterWeights[gluon.Parameter] | None
     _compensation: Compensation | None
+    _accumulation: Accumulation
     _seed: int
     _net: gluon.Block | None
     _plan: list[tuple[gluon.Parameter, str]]
@@ -79,6 +81,7 @@ class MasterSetup:
         )
         for param, dtype in self._plan:
             cast_param(param, dtype)
+        self._accumulation.track(self.masters.pairs)
         if strategy is not None:  # the masters still hold the exact float32 values here
             # in the net's order, not gluon.Trainer's (sorted by global names, which differ
             # between two copies of a net): the random stream must follow the parameters

@@ -75,13 +75,17 @@ class Stepping(MasterSetup):
         masters = self._ensure_prepared()
         if self._reduced:
             return
+        self._accumulation.check(self._params, self.policy.label)
         distributed.init_kvstore_eagerly(self)  # type: ignore[arg-type]
         kvstore = self._kvstore
+        summed = {id(p) for p, _ in self._accumulation.accumulating()}
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
                 continue
             master = masters.master_for(param)
-            grads, comm, final = param.list_grad(), self._comm(param, master), master.list_grad()
+            comm, final = self._comm(param, master), master.list_grad()
+            # grad_req='add' on a low-precision parameter: the master holds the float32 sum
+            grads = final if id(param) in summed else param.list_grad()
             # `comm`/`final` are the model's own gradients where dtypes agree: no copy then
             if comm is not grads:
                 for src, dst in zip(grads, comm, strict=True):
@@ -113,6 +117,8 @@ class Stepping(MasterSetup):
     def update(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
         """Check for overflow and update (or skip) after ``allreduce_grads`` (and ``unscale``)."""
         _check_batch_size(batch_size)
+        self._ensure_prepared()
+        self._accumulation.check(self._params, self.policy.label)  # before anything moves
         tracker = self._tracker
         if not self.scaler.enabled and tracker.stage is Stage.READY and tracker.backwards == 0:
             tracker.on_backward()  # no scaling: a plain loss.backward() is as good
@@ -136,6 +142,7 @@ class Stepping(MasterSetup):
                 self._update(ignore_stale_grad)
         finally:
             self._reduced = False
+            self._accumulation.stepped()
             tracker.on_update()
 
     def _trainable_grads(self) -> Iterator[list[nd.NDArray]]:
@@ -154,7 +161,8 @@ class Stepping(MasterSetup):
 
     def _fresh(self, param: gluon.Parameter, ignore_stale_grad: bool) -> list[bool]:
         """Which contexts' gradients of ``param`` to use (gluon.Trainer's stale check)."""
-        fresh = [has_fresh_grad(data) for data in param.list_data()]
+        added = self._accumulation.added
+        fresh = [has_fresh_grad(data) or added(data) for data in param.list_data()]
         if ignore_stale_grad:
             return fresh
         if not all(fresh):

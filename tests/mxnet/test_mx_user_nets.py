@@ -81,6 +81,73 @@ def test_a_net_without_parameters_is_refused() -> None:
         Trainer(gluon.nn.HybridSequential(), "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
 
 
+BF16_PRESETS = ["O1-bf16", "O2-bf16", "O3-bf16", "O3-bf16-kahan", "O3-bf16-sr"]
+
+
+@pytest.mark.parametrize("policy", BF16_PRESETS)
+def test_deferred_plain_sequential_trains_under_every_bf16_preset(policy: str) -> None:
+    """A plain gluon.nn.Sequential (not hybridizable) holding a model_zoo net and Dense
+    layers without in_units: O2/O3 used to refuse it at Trainer construction."""
+    from mxnet.gluon.model_zoo import vision
+
+    mx.random.seed(0)
+    net = gluon.nn.Sequential()
+    net.add(vision.mobilenet0_25(pretrained=False, classes=16),
+            gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(4))  # fmt: skip
+    net.initialize(mx.init.Xavier())
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.05}, policy=policy)
+    assert trainer.masters is None  # nothing to cast before the first forward
+    rng = np.random.RandomState(0)
+    x, y = mx.nd.array(rng.rand(2, 3, 32, 32)), mx.nd.array([1, 2])
+    _train(net, trainer, x, y, CE)
+    assert not trainer.last_step_skipped
+    assert net[1].weight.shape == (32, 16)
+    lowp = policy != "O1-bf16"
+    assert dtype_name(net[1].weight.dtype) == ("bfloat16" if lowp else "float32")
+    assert dtype_name(trainer.masters.master_for(net[1].weight).dtype) == "float32"
+
+
+class _Residual(gluon.Block):
+    """Any Block: a forward in Python around deferred layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = gluon.nn.Dense(8)
+        self.outer = gluon.nn.Dense(4)
+
+    def forward(self, x: Any) -> Any:
+        h = self.inner(x)
+        return self.outer(h + mx.nd.relu(h))
+
+
+def test_any_block_with_deferred_shapes_is_cast_on_its_first_forward() -> None:
+    mx.random.seed(0)
+    net = _Residual()
+    net.initialize(mx.init.Xavier())
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    x, y = batch()
+    _train(net, trainer, x, y, L2)
+    assert net.inner.weight.shape == (8, 8)
+    assert dtype_name(net.inner.weight.dtype) == "bfloat16"
+    assert not trainer.last_step_skipped
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["Sequential", "HybridSequential"])
+def test_a_first_input_that_does_not_fit_is_refused_and_changes_nothing(hybrid: bool) -> None:
+    """A deferred net's first forward with an input the net cannot take (2-D data into a
+    Conv2D) was a deep MXNet traceback, and it left some layers initialised with wrong shapes."""
+    net = gluon.nn.HybridSequential() if hybrid else gluon.nn.Sequential()
+    net.add(gluon.nn.Dense(8, flatten=False), gluon.nn.Conv2D(4, 3), gluon.nn.Dense(2))
+    net.initialize()
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    with pytest.raises(WrapError, match=r"shape \(2, 5\).*do not fit the net"):
+        net(mx.nd.ones((2, 5)))
+    assert all(p._deferred_init for p in net.collect_params().values() if p.shape[-1] == 0)
+    assert trainer.masters is None
+    out = net(mx.nd.ones((2, 1, 6, 5)))  # the input it is built for: trains as usual
+    assert dtype_name(net[1].weight.dtype) == "bfloat16" and out.shape == (2, 2)
+
+
 def test_plain_sequential_with_deferred_shapes_trains() -> None:
     mx.random.seed(0)
     net = gluon.nn.Sequential()
