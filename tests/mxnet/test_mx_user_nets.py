@@ -148,6 +148,24 @@ def test_a_first_input_that_does_not_fit_is_refused_and_changes_nothing(hybrid: 
     assert dtype_name(net[1].weight.dtype) == "bfloat16" and out.shape == (2, 2)
 
 
+def test_the_documented_idiom_reads_an_o3_bf16_loss_as_a_float() -> None:
+    """Under O3-bf16 the loss is bfloat16, which MXNet keeps in a structured numpy dtype:
+    ``loss.mean().asscalar()`` is a ``numpy.void``. docs/guide.md gives the idiom."""
+    net = cnn()
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O3-bf16")
+    x, y = batch(image=True)
+    with autograd.record():
+        loss = CE(net(x), y)
+        with trainer.scale_loss(loss) as scaled:
+            autograd.backward(scaled)
+    trainer.step(x.shape[0])
+    assert isinstance(loss.mean().asscalar(), np.void)  # MXNet's bfloat16, as it is
+    value = float(mixprec.mxnet.cast(loss, "float32").mean().asscalar())  # the guide's idiom
+    bits = np.frombuffer(loss.asnumpy().tobytes(), dtype=np.uint16)  # bfloat16, decoded
+    reference = (bits.astype(np.uint32) << 16).view(np.float32).mean()
+    assert isinstance(value, float) and value == pytest.approx(reference, rel=1e-6)
+
+
 def test_plain_sequential_with_deferred_shapes_trains() -> None:
     mx.random.seed(0)
     net = gluon.nn.Sequential()
