@@ -55,8 +55,9 @@ from mixprec.policy import Policy
 from .aten import aten_ops
 from .decisions import DTYPE_BITS, DecisionContext, Decisions, InputKey
 from .dtypes import FLOATING, cast_floating, torch_dtype
+from .kernels import Claim, foreign
 from .ops import ATEN_OPS, NORM_ARGS
-from .probes import autocast_dtypes, probe
+from .probes import PROBES, autocast_dtypes, probe
 from .regions import Handler, Region, pop, push
 from .tracing import autocast_off, disable_autocast
 
@@ -85,6 +86,11 @@ def _probe_lowp(policy: Policy) -> torch.dtype:
     return torch.bfloat16
 
 
+def _every_claim(device_type: str) -> list[Claim]:
+    """The Autocast-key claims of every probed family's operators on ``device_type``."""
+    return [(name, device_type, "Autocast") for family in PROBES for name in aten_ops(family)]
+
+
 def _banned(policy: Policy) -> set[str]:
     ops = set(policy.ops.banned)
     for rule in policy.modules:
@@ -107,7 +113,9 @@ def intercepted_ops(policy: Policy, device_types: Sequence[str]) -> frozenset[st
     lowp = _probe_lowp(policy)
     ops: set[str] = set()
     for device_type in device_types:
-        probed = autocast_dtypes(device_type, autocast, lowp)
+        # another library's autocast kernel changes what the probes see: part of the key
+        others = frozenset(foreign(_every_claim(device_type)))
+        probed = autocast_dtypes(device_type, autocast, lowp, others)
         for key, produced in probed.items():
             family, index, inputs = key
             if family in ops:

@@ -277,21 +277,27 @@ ProbeResults = dict[tuple[str, int, tuple[str, ...]], str | None]
 
 @functools.cache
 def autocast_dtypes(
-    device_type: str, autocast: torch.dtype | None, lowp: torch.dtype
+    device_type: str,
+    autocast: torch.dtype | None,
+    lowp: torch.dtype,
+    foreign: frozenset[str] = frozenset(),
 ) -> ProbeResults:
     """Run every family's probes on ``device_type``, under ``torch.autocast(device_type,
     autocast)`` (or without autocast when it is None), with the inputs of
     :func:`probe_configs`.
 
     Cached per arguments; the probes are tiny tensors on the device itself (the first call
-    in a process mostly pays for PyTorch's one-time kernel initialisation).
+    in a process mostly pays for PyTorch's one-time kernel initialisation). ``foreign``
+    names the kernels of other libraries at the Autocast key while probing
+    (:func:`mixprec_torch.kernels.foreign`): the probes run through them, so what they
+    measured holds only while exactly those are registered.
     """
     results: ProbeResults = {}
     for family, probes in PROBES.items():
         for index, (n, _) in enumerate(probes):
             for config in probe_configs(n, lowp):
                 key = (family, index, tuple(dtype_name(d) for d in config))
-                results[key] = probe(device_type, autocast, family, index, config)
+                results[key] = _run(device_type, autocast, family, index, config)
     return results
 
 
@@ -303,7 +309,18 @@ def probe(
     index: int,
     config: tuple[torch.dtype, ...],
 ) -> str | None:
-    """The dtype one probe call produces (None: the op refused these inputs)."""
+    """The dtype one probe call produces (None: the op refused these inputs); cached, so
+    for calls without autocast only (no kernel at the Autocast key runs)."""
+    return _run(device_type, autocast, family, index, config)
+
+
+def _run(
+    device_type: str,
+    autocast: torch.dtype | None,
+    family: str,
+    index: int,
+    config: tuple[torch.dtype, ...],
+) -> str | None:
     device = torch.device(device_type)
     run = PROBES[family][index][1]
     ctx = (

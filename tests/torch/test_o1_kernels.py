@@ -27,6 +27,7 @@ nn = torch.nn
 
 import mixprec  # noqa: E402
 from mixprec.errors import WrapError  # noqa: E402
+from mixprec_torch.torch_private import excluding  # noqa: E402
 
 # every list moved: kernels replace autocast's own for linear, matmul, bmm, conv, cross_entropy
 EDITED = {
@@ -170,11 +171,29 @@ def test_a_foreign_autocast_kernel_for_a_decided_operator_is_refused_by_name() -
         assert "test_o1_kernels.py" in str(err.value)  # where it was registered
         assert not hasattr(model, "_mixprec")
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-        # a policy that leaves softmax to autocast is not concerned
-        mixprec.torch.wrap(nn.Sequential(nn.Linear(4, 4)), policy="torch-autocast-cpu")
     finally:
         lib._destroy()
-    mixprec.torch.wrap(model, policy="O1-bf16")  # once it is gone, wrap works
+    # one that runs softmax as CPU autocast does (it has no kernel of its own there): a
+    # policy that leaves softmax to autocast is not concerned, O1-bf16 (float32) still is
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+
+        def as_autocast(x: torch.Tensor, dim: int, dtype: Any = None) -> torch.Tensor:
+            with excluding(torch.DispatchKey.AutocastCPU):
+                return torch.ops.aten.softmax.int(x, dim, dtype)  # type: ignore[no-any-return]
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib.impl("softmax.int", as_autocast, "AutocastCPU")
+        mixprec.torch.wrap(nn.Sequential(nn.Linear(4, 4)), policy="torch-autocast-cpu")
+        with pytest.raises(WrapError, match=r"aten::softmax\.int at AutocastCPU"):
+            mixprec.torch.wrap(nn.Sequential(nn.Linear(4, 4)), policy="O1-bf16")
+    finally:
+        lib._destroy()
+    # once it is gone, wrap works, and what the probes saw through it is not kept
+    wrapped = mixprec.torch.wrap(model, policy="O1-bf16")
+    out = wrapped(torch.randn(2, 4))
+    assert out.dtype == torch.float32 and torch.allclose(out.sum(-1), torch.ones(2))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--reference"]:
