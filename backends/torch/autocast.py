@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,10 +56,10 @@ from mixprec.policy import Policy
 from .aten import aten_ops
 from .decisions import DTYPE_BITS, DecisionContext, Decisions, InputKey
 from .dtypes import FLOATING, cast_floating, torch_dtype
-from .kernels import Claim, foreign
 from .ops import ATEN_OPS, NORM_ARGS
 from .probes import PROBES, autocast_dtypes, probe
 from .regions import Handler, Region, pop, push
+from .torch_private import dispatch_key, kernel_origin, registered_by_torch
 from .tracing import autocast_off, disable_autocast
 
 __all__ = [
@@ -86,9 +87,21 @@ def _probe_lowp(policy: Policy) -> torch.dtype:
     return torch.bfloat16
 
 
-def _every_claim(device_type: str) -> list[Claim]:
-    """The Autocast-key claims of every probed family's operators on ``device_type``."""
-    return [(name, device_type, "Autocast") for family in PROBES for name in aten_ops(family)]
+_KERNELS_PY = Path(__file__).with_name("kernels.py")
+_OURS = (str(_KERNELS_PY), str(_KERNELS_PY.resolve()))
+
+
+def _foreign_origins(device_type: str) -> frozenset[str]:
+    """Where the kernels at ``device_type``'s Autocast key for the probed families' operators
+    were registered, other than torch's own and mixprec's (:mod:`mixprec_torch.kernels`)."""
+    key = dispatch_key("Autocast", device_type)
+    found = set()
+    for family in PROBES:
+        for name in aten_ops(family):
+            origin = kernel_origin(name, key)
+            if origin and not registered_by_torch(origin) and not any(o in origin for o in _OURS):
+                found.add(f"{name}: {origin}")
+    return frozenset(found)
 
 
 def _banned(policy: Policy) -> set[str]:
@@ -114,7 +127,7 @@ def intercepted_ops(policy: Policy, device_types: Sequence[str]) -> frozenset[st
     ops: set[str] = set()
     for device_type in device_types:
         # another library's autocast kernel changes what the probes see: part of the key
-        others = frozenset(foreign(_every_claim(device_type)))
+        others = _foreign_origins(device_type)
         probed = autocast_dtypes(device_type, autocast, lowp, others)
         for key, produced in probed.items():
             family, index, inputs = key

@@ -27,7 +27,6 @@ is found before anything changes and refused by name (:func:`foreign`), never ov
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -43,6 +42,7 @@ from .torch_private import (
     keys_after,
     never_compiled,
     op_schema,
+    registered_by_torch,
 )
 
 __all__ = ["Claim", "Kernel", "foreign", "install", "installed"]
@@ -52,7 +52,6 @@ Claim = tuple[str, str, Kind]
 """(qualified ATen overload ``"aten::softmax.int"``, device type, kind of key)."""
 
 _HERE = (__file__, str(Path(__file__).resolve()))
-_TORCH_OWN = re.compile(r"aten/src/ATen/|torch/csrc/")
 
 
 class Claims(Protocol):
@@ -157,7 +156,7 @@ def foreign(claims: Iterable[Claim]) -> list[str]:
         if origin is None:
             continue
         ours = any(here in origin for here in _HERE)
-        if ours or (claim not in _installed and _TORCH_OWN.search(origin)):
+        if ours or (claim not in _installed and registered_by_torch(origin)):
             continue
         found.append(f"{name} at {key.name} ({origin})")
     return found

@@ -38,6 +38,7 @@ __all__ = [
     "onednn_runs_bfloat16",
     "op_schema",
     "problems",
+    "registered_by_torch",
     "running_node_sequence_nr",
     "scheduler_step_wrapper",
     "sole_owner",
@@ -276,6 +277,15 @@ def kernel_origin(op_name: str, key: torch.DispatchKey) -> str | None:
     text = repr(torch.library.get_kernel(op_name, key))
     found = re.search(r"debug='(.*)'\)$", text)
     return found.group(1) if found else text
+
+
+_TORCH_OWN = re.compile(r"aten/src/ATen/|torch/csrc/")
+
+
+def registered_by_torch(origin: str) -> bool:
+    """Whether a :func:`kernel_origin` is torch's own C++ registration (autocast's kernels,
+    the autograd kernels), not a Python ``torch.library`` one."""
+    return _TORCH_OWN.search(origin) is not None
 
 
 def never_compiled(fn: Callable[..., Any]) -> None:

@@ -158,7 +158,20 @@ def test_autocast_disabled_inside_a_wrapped_forward_turns_the_policy_off_too() -
 
 def test_a_foreign_autocast_kernel_for_a_decided_operator_is_refused_by_name() -> None:
     """Registered before mixprec's (or over it): wrap refuses naming the operator and where
-    the kernel was registered, and changes nothing."""
+    the kernel was registered, and changes nothing. In a process of its own: once a kernel
+    registered over mixprec's is destroyed, torch.compile's fake-tensor tracing of that
+    operator fails in that process (eager runs): a known limitation."""
+    run = subprocess.run(
+        [sys.executable, __file__, "--foreign"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _foreign() -> None:
     lib = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():  # torch notes that it replaces a kernel
@@ -195,6 +208,10 @@ def test_a_foreign_autocast_kernel_for_a_decided_operator_is_refused_by_name() -
     out = wrapped(torch.randn(2, 4))
     assert out.dtype == torch.float32 and torch.allclose(out.sum(-1), torch.ones(2))
 
+
+if __name__ == "__main__" and sys.argv[1:] == ["--foreign"]:
+    warnings.simplefilter("error")
+    _foreign()
 
 if __name__ == "__main__" and sys.argv[1:] == ["--reference"]:
     print(json.dumps(reference()))
