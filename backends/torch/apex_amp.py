@@ -171,7 +171,11 @@ def initialize(
         keep_dtypes=keep,
     )
     for opt in opts:  # wrapped in place: wrappers such as LARC now hold a wrapped optimizer
-        optimizer_state(opt).group.skip_each = True  # apex: only overflowing optimizers skip
+        st = optimizer_state(opt)
+        st.group.skip_each = True  # apex: only overflowing optimizers skip
+        # apex: every step, taken or skipped, clears the float32 master gradients, which a
+        # user's model.zero_grad() cannot reach (their losses accumulate there until the step)
+        st.drop_master_grads = True
         _OPTS[opt] = _OptAmp()
     _AMP.enabled, _AMP.policy = True, policy
     _AMP.scalers = [LossScaler(scale) for _ in range(num_losses)]
@@ -191,9 +195,14 @@ def _opt_list(optimizers: Any) -> list[Any]:
     return [_inner(o) for o in opts]
 
 
-def _stash(opt: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def _stash(st: OptimizerState, opt: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Take the gradients the optimizer already holds (unscaled, from an earlier loss of
-    this step) out of the way, so the next backward starts from None."""
+    this step) out of the way, so the next backward starts from None. The low-precision
+    model gradients are dropped (apex's ``prepare_backward``): what they hold came from a
+    backward pass of another optimizer's loss (a GAN's generator loss runs through the
+    discriminator), never from this optimizer's, which its last ``scale_loss`` consumed."""
+    for model_param in copies(st, opt)[0]:
+        model_param.grad = None
     saved = []
     for group in opt.param_groups:
         for param in group["params"]:
@@ -227,7 +236,9 @@ def _exit(
 ) -> None:
     flags: list[torch.Tensor] = []
     for st, opt in zip(states, opts, strict=True):
-        unscale(st, opt, scale=scaler.scale)  # model grads -> float32 master grads, / scale
+        # model grads -> float32 master grads, / scale; the loss's scaler hears of an inf or
+        # NaN now (apex), the guard's norm check runs at the step, after any clip or edit
+        unscale(st, opt, scale=scaler.scale, check=False)
         flags.extend(st.found_inf)
     found = reduce_found_inf(flags, states[0].group.device)
     scaler.update(found)
@@ -280,7 +291,7 @@ def scale_loss(
     for st, opt in zip(states, opts, strict=True):
         info = _OPTS.setdefault(opt, _OptAmp())
         _enter(st, info)
-        stashes.append(None if info.scaled else _stash(opt))
+        stashes.append(None if info.scaled else _stash(st, opt))
     scaled = loss.float() * scaler.scale if scaler.enabled else loss.float()
     try:
         yield scaled

@@ -93,7 +93,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
         return
     count_plain_backward(st)  # no loss scaling: a plain loss.backward() is enough
     st.tracker.on_unscale()
-    unscale(st, optimizer)
+    unscale(st, optimizer, check=False)  # the step checks, after any clip or edit since
     if st.local is None:  # FSDP2 keeps no separate masters
         expose_unscaled_grads(st, *copies(st, optimizer))
 

@@ -144,6 +144,15 @@ class OptimizerState:
         ``group.masters`` on first use; None again whenever the param groups change."""
         self.found_inf: list[torch.Tensor] = []
         """The device-side overflow flags of the latest unscale (one per device)."""
+        self.unchecked = False
+        """The gradients were unscaled without the guard's check (``unscale_``): the step
+        checks them, after whatever the user did to them since."""
+        self.drop_master_grads = False
+        """After every step, taken or skipped, the separate masters' gradients are dropped
+        (the apex shim: apex cleared them so, as ``model.zero_grad()`` cannot reach them)."""
+        self.checked: tuple[list[torch.Tensor], list[int]] | None = None
+        """Checked when another optimizer's ``step()`` opened the round: the gradients and
+        their version counters then, so its own step notices a write in between."""
         self.round: Round | None = None
         self.implicit_unscale = False
         """Another optimizer's ``step()`` unscaled this one (so ``unscale_`` is a no-op)."""
