@@ -130,7 +130,8 @@ def _parse_loss_scale(text: str) -> LossScaleConfig:
 
 
 def _loss_scale_from_mapping(d: Mapping[str, Any]) -> LossScaleConfig:
-    cls = LOSS_SCALE_KINDS.get(d.get("kind"))  # type: ignore[arg-type]
+    kind = d.get("kind")
+    cls = LOSS_SCALE_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise PolicyError(
             f"loss_scale table needs kind = one of {sorted(LOSS_SCALE_KINDS)}, "

@@ -349,16 +349,38 @@ def load_state_dict(state: Mapping[str, Any]) -> None:
     loaded = []
     for i, scaler in enumerate(_AMP.scalers):
         entry = state[f"loss_scaler{i}"]
+        if not isinstance(entry, Mapping):
+            raise CheckpointError(
+                f"amp state entry 'loss_scaler{i}' is a {type(entry).__name__}, not a dict; "
+                "pass what amp.state_dict() returned"
+            )
         if "mixprec" in entry:
             fresh = LossScaler(scaler.state)
             fresh.load_state_dict(entry["mixprec"])
             loaded.append(fresh.state_dict())
         elif isinstance(scaler.state, DynamicScale):  # saved by apex itself
-            good = int(entry["unskipped"]) % scaler.state.interval
-            moved = dataclasses.replace(scaler.state, scale=float(entry["loss_scale"]))
-            loaded.append({**scaler.state_dict(), "loss_scale": moved.state_dict()})
-            loaded[-1]["loss_scale"]["good_steps"] = good
+            loaded.append(_from_apex(scaler, entry, i))
         else:
             loaded.append(scaler.state_dict())
     for scaler, saved in zip(_AMP.scalers, loaded, strict=True):  # all checked: now change
         scaler.load_state_dict(saved)
+
+
+def _from_apex(scaler: LossScaler, entry: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """The scaler state for an entry apex's own amp saved (``loss_scale``, ``unskipped``),
+    checked whole: a missing, non-finite or negative value raises CheckpointError."""
+    state = scaler.state
+    assert isinstance(state, DynamicScale)
+    try:
+        unskipped = entry["unskipped"]
+        if isinstance(unskipped, bool) or int(unskipped) != unskipped or unskipped < 0:
+            raise ValueError(f"unskipped={unskipped!r} is not a non-negative whole number")
+        moved = dataclasses.replace(
+            state, scale=entry["loss_scale"], good_steps=int(unskipped) % state.interval
+        )
+    except (KeyError, TypeError, ValueError, OverflowError) as err:
+        raise CheckpointError(
+            f"amp state entry 'loss_scaler{i}' is malformed ({err}); it needs 'loss_scale' "
+            "(a positive finite number) and 'unskipped' (a step count), as apex saved them"
+        ) from err
+    return {**scaler.state_dict(), "loss_scale": moved.state_dict()}
