@@ -133,7 +133,7 @@ def test_a_malformed_counter_is_refused_before_any_change(key: str, value: objec
     scaler = LossScaler(DynamicScale(init=8.0))
     scaler.update(True)
     before = scaler.state_dict()
-    with pytest.raises(CheckpointError, match=rf"counter .* is not a non-negative whole number"):
+    with pytest.raises(CheckpointError, match=r"counter .* is not a non-negative whole number"):
         scaler.load_state_dict(_saved(**{key: value}))
     assert scaler.state_dict() == before
 
