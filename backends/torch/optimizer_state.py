@@ -56,14 +56,20 @@ SpareGrad = tuple[torch.UntypedStorage, torch.dtype, int, tuple[int, ...], tuple
 
 
 class RoundGuard(Protocol):
-    """Something a step changes besides the optimizer's parameters and state."""
+    """Something a step changes besides the optimizer's parameters and state, per model.
 
-    def flag(self) -> torch.Tensor | None:
-        """A device-side flag, nonzero when this step left a non-finite value (no host sync)."""
+    ``scope`` is the indices (in the ``wrap`` call) of the models the round's optimizers
+    train, plus every model no optimizer trains (:meth:`WrapGroup.scope`).
+    """
+
+    def flag(self, scope: frozenset[int]) -> torch.Tensor | None:
+        """A device-side flag, nonzero when this step left a non-finite value in the models
+        of ``scope`` (no host sync)."""
         ...
 
-    def settle(self, skipped: bool) -> None:
-        """The round's decision: undo this step's changes when ``skipped``."""
+    def settle(self, skipped: bool, scope: frozenset[int]) -> None:
+        """The round's decision: undo this step's changes to the models of ``scope`` when
+        ``skipped``."""
         ...
 
 
@@ -106,6 +112,10 @@ class WrapGroup:
         self.param_versions: dict[int, int] = {}
         """id(model param) -> its version counter once ``wrap`` cast it; a different counter
         before the first step means the user edited it (:mod:`.model_edits`)."""
+        self.param_models: dict[int, int] = {}
+        """id(model param) -> the index of its model in the ``wrap`` call."""
+        self.model_count = 0
+        """How many models the ``wrap`` call converted."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> WrapGroup:
         """A copy for a copied model: its own scaler and master map, and no optimizers (the
@@ -121,6 +131,13 @@ class WrapGroup:
         """The optimizer states of this group whose optimizers still exist."""
         alive = [s() for s in self.states]
         return [s for s in alive if s is not None]
+
+    def scope(self, members: list[OptimizerState]) -> frozenset[int]:
+        """The models a round of ``members`` settles: those they train, and every model no
+        optimizer of the group trains (a frozen model in training mode)."""
+        trained = frozenset().union(*(st.models for st in self.live_states()))
+        untrained = frozenset(range(self.model_count)) - trained
+        return untrained.union(*(st.models for st in members))
 
 
 class OptimizerState:
@@ -164,6 +181,8 @@ class OptimizerState:
         clip of the model's gradients before the step (:mod:`.model_edits`)."""
         self.overflows: deque[OverflowRecord] = deque(maxlen=100)
         """The parameters that overflowed, per skipped step (filled only on a skip)."""
+        self.models: frozenset[int] = frozenset()
+        """The indices of the models (of the ``wrap`` call) whose parameters it updates."""
         self.spare_grads: dict[int, SpareGrad] = {}
         """id(master) -> the float32 gradient memory ``zero_grad(set_to_none=True)`` took
         off that master, reused by the next cast into it (:mod:`.model_edits`) instead of

@@ -283,7 +283,8 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
         if opt is not optimizer:  # it steps later: a write before its step() is checked then
             st.checked = checked_grads(opt)
         flags.extend(st.found_inf)
-    guard_flags = [f for g in group.round_guards if (f := g.flag()) is not None]
+    scope = group.scope([st for st, _ in members])
+    guard_flags = [f for g in group.round_guards if (f := g.flag(scope)) is not None]
     step = group.scaler.steps
     if group.skip_each:  # one host sync per member for its own decision (GradScaler's)
         own = [
@@ -294,7 +295,7 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
         found_inf = reduce_found_inf(flags + guard_flags, group.device, step)
         own = [found_inf] * len(members)
     for guard in group.round_guards:  # before the update: a floor that raises still restores
-        guard.settle(found_inf)
+        guard.settle(found_inf, scope)
     overflowing: tuple[str, ...] = ()
     if found_inf:  # before the update, so skip hooks can already ask which params overflowed
         overflowed = [m for m, o in zip(members, own, strict=True) if o]

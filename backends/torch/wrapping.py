@@ -136,6 +136,9 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
     names = {pid: name for pid, (name, _) in plan.params.items()}
     scaler = LossScaler(policy.loss_scale, guard=guard)
     group = WrapGroup(policy, scaler, device_key(plan.device), masters, names)
+    group.model_count = len(plan.models)
+    for index, model in reversed(list(enumerate(plan.models))):  # a shared param: its first
+        group.param_models.update((id(p), index) for p in model.parameters())
     if plan.optimizers:  # a skipped step puts the running statistics back
         stats = RunningStats(plan.models)
         if len(stats):
