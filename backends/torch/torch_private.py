@@ -11,6 +11,7 @@ equivalent, or its public equivalent is slower on the per-step hot path.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -25,6 +26,7 @@ __all__ = [
     "foreach_zero_",
     "in_backward",
     "is_scheduler_step_wrapper",
+    "load_strict",
     "mark_step_hooked",
     "non_finite_check_and_unscale_",
     "problems",
@@ -227,6 +229,24 @@ def set_reentrant_checkpoint_function(node: Any, fn: Callable[..., Any]) -> None
     node.run_function = fn
 
 
+def load_strict() -> bool | None:
+    """The ``strict`` argument of the ``nn.Module.load_state_dict`` call running now, or
+    None when the caller is not inside one.
+
+    Why private: PyTorch hands every module's load pre-hooks ``strict=True`` whatever the
+    caller passed (the flag decides only at the very end, after every matching entry was
+    copied, whether missing and unexpected keys raise). A hook that must refuse a strict
+    load *before* anything is copied reads the flag from that call's frame.
+    """
+    code = torch.nn.Module.load_state_dict.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return None
+
+
 def _doubled(t: torch.Tensor) -> torch.Tensor:
     return t * 2
 
@@ -308,5 +328,14 @@ def problems() -> list[str]:
     need(
         getattr(type(opt).step, "hooked", False) is True,
         "Optimizer no longer marks a class's wrapped step with step.hooked",
+    )
+    seen_strict: list[bool | None] = []
+    model.register_load_state_dict_pre_hook(lambda *args: seen_strict.append(load_strict()))
+    model.load_state_dict(model.state_dict(), strict=False)
+    model.load_state_dict(model.state_dict())
+    need(
+        seen_strict == [False, True] and load_strict() is None,
+        "nn.Module.load_state_dict no longer runs the load pre-hooks inside its own frame "
+        "with a local named strict",
     )
     return found
