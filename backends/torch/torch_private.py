@@ -239,7 +239,7 @@ def load_strict() -> bool | None:
     load *before* anything is copied reads the flag from that call's frame.
     """
     code = torch.nn.Module.load_state_dict.__code__
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
             return bool(frame.f_locals.get("strict", True))
