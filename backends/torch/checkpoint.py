@@ -215,7 +215,7 @@ def check_loadable(module: nn.Module, state_dict: Any, prefix: str, strict: bool
             continue
         if not isinstance(value, torch.Tensor):
             problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
-        elif not is_lazy(current) and (value.shape != current.shape):
+        elif not _is_lazy(current) and (value.shape != current.shape):
             problems.append(
                 f"{key!r} has shape {list(value.shape)}, the model's {list(current.shape)}"
             )
@@ -240,7 +240,7 @@ def check_loadable(module: nn.Module, state_dict: Any, prefix: str, strict: bool
         )
 
 
-def is_lazy(tensor: torch.Tensor) -> bool:
+def _is_lazy(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a lazy module's parameter or buffer without a shape yet."""
     return isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
 
