@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -182,3 +183,12 @@ def test_the_temporary_name_keeps_the_target_name_and_the_suffix(tmp_path: Path)
     with atomic_path(tmp_path / "f.bin") as tmp:
         assert Path(tmp).name.endswith(".tmp") and Path(tmp).parent == tmp_path
         Path(tmp).write_bytes(b"x")
+
+
+def test_reading_the_umask_at_import_puts_it_back() -> None:
+    """mixprec.atomic reads the umask by setting it; the process's own must stay."""
+    script = "import os; os.umask(0o077); import mixprec.atomic; print(oct(os.umask(0)))"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "0o77"

@@ -152,3 +152,35 @@ def test_the_warning_repeats_at_each_multiple_and_only_the_latest_run_is_listed(
             watch.observe(step, True, [f"w{step}"])
     assert len(caught) == 2
     assert "steps 2-3" in str(caught[1].message) and "w1" not in str(caught[1].message)
+
+
+def test_parameters_overflowing_equally_often_are_listed_by_name() -> None:
+    watch = SkipWatch(StepGuard(warn_after=0))
+    watch.observe(1, True, ["z"])
+    watch.observe(2, True, ["a"])
+    assert "Overflowing parameters: a (steps 2); z (steps 1)." in watch.message()
+
+
+def test_a_message_without_a_policy_says_nothing_of_one() -> None:
+    watch = SkipWatch(StepGuard(warn_after=0))
+    watch.observe(3, True, ["w"])
+    assert watch.message().startswith("mixprec skipped 1 steps in a row (the latest: steps 3)")
+
+
+def test_the_warning_points_at_the_code_that_called_the_backends_step() -> None:
+    """A backend's step calls LossScaler.update; the warning names the user's line."""
+    scaler = LossScaler(NoScale(), guard=StepGuard(warn_after=1))
+
+    def backend_step() -> None:
+        scaler.update(True, ("w",))
+
+    with pytest.warns(RepeatedSkipWarning) as caught:
+        backend_step()
+    assert caught[0].filename == __file__
+
+
+def test_a_guard_is_an_immutable_value() -> None:
+    guard = StepGuard(warn_after=3)
+    with pytest.raises(AttributeError):
+        guard.warn_after = 4  # type: ignore[misc]
+    assert hash(guard) == hash(StepGuard(warn_after=3))

@@ -214,3 +214,9 @@ def test_snapshot_and_the_counters_mixin_read_the_scaler() -> None:
         policy=policy,
         events=holder.scaler.events,
     )
+
+
+def test_a_snapshot_is_an_immutable_value() -> None:
+    snap = LossScaler(NoScale()).snapshot(get_policy("O0"))
+    with pytest.raises(AttributeError):
+        snap.loss_scale = 2.0  # type: ignore[misc]
