@@ -234,6 +234,8 @@ def _start(package: Path, tests: list[str]) -> int:
         os.dup2(null, 1)
         os.dup2(null, 2)
         sys.path.insert(0, str(package.parent))
+        os.environ["PYTHONPATH"] = str(package.parent)  # subprocesses the tests start too
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
         os.chdir(ROOT)
         code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests])
     except BaseException:
