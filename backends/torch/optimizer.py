@@ -146,6 +146,9 @@ def _subclass_for(cls: type) -> type:
             # optimizer.state_dict() (mixprec_torch.copies)
             "__deepcopy__": refuse_optimizer_copy,
             "__reduce_ex__": refuse_optimizer_copy,
+            # a torch.amp.GradScaler then hands its scale to step() (grad_scale, found_inf)
+            # instead of unscaling the masters it does not know: step() refuses it by name
+            "_step_supports_amp_scaling": True,
             "_mixprec_base": cls,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,

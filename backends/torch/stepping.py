@@ -337,6 +337,8 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     """The patched ``optimizer.step()``: evaluate the closure if one is given, join or open
     the round, then skip or step (5) and copy the masters into the model (7)."""
     st = optimizer_state(self, "optimizer.step()")
+    if "found_inf" in vars(self) or "grad_scale" in vars(self):
+        raise _grad_scaler_driving(st, self)
     loss = None
     if closure is not None:
         _check_closure(st, self)
@@ -404,6 +406,27 @@ def _written_since_check(st: OptimizerState, optimizer: torch.optim.Optimizer) -
     st.found_inf = []
     check_grads(st, optimizer)
     return any(bool(flag.item()) for flag in st.found_inf)
+
+
+def _grad_scaler_driving(st: OptimizerState, optimizer: torch.optim.Optimizer) -> StepOrderError:
+    """The error for a ``torch.amp.GradScaler`` calling this step (a migration that kept
+    ``scaler.step(optimizer)``): it multiplied the loss by its own scale, which mixprec
+    cannot see, so the update would be that many times too large. The attributes the
+    GradScaler set are removed; nothing else has changed."""
+    scale = getattr(optimizer, "grad_scale", None)
+    for name in ("grad_scale", "found_inf"):
+        vars(optimizer).pop(name, None)
+    shown = f" ({float(scale):g})" if isinstance(scale, torch.Tensor) else ""
+    return StepOrderError(
+        "a torch.amp.GradScaler is stepping this optimizer (scaler.step(optimizer)), which "
+        f"mixprec.torch.wrap already manages under policy {st.group.policy}: the GradScaler "
+        f"multiplied the loss by its own scale{shown}, and the update would be that many "
+        "times too large. Remove the GradScaler (nothing was changed): replace "
+        "scaler.scale(loss).backward() with 'with mixprec.torch.scale_loss(loss, optimizer) "
+        "as scaled: scaled.backward()', scaler.unscale_(optimizer) with "
+        "mixprec.torch.unscale_(optimizer), scaler.step(optimizer) with optimizer.step(), "
+        "and drop scaler.update()"
+    )
 
 
 def _check_closure(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
