@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import AdviceError
+from mixprec.grammar import split_items
 from mixprec.plugins import load_backend
 
-__all__ = ["add_parser", "backend_of", "load_factory"]
+__all__ = ["add_parser", "backend_of", "load_factory", "split_candidates"]
 
 
 def load_factory(spec: str) -> Any:
@@ -44,6 +45,27 @@ def load_factory(spec: str) -> Any:
     return factory
 
 
+def split_candidates(text: str) -> list[str]:
+    """The policies of ``--candidates``: ``;`` always separates; within a part, each bare
+    name (a preset, a ``.toml`` path) starts a policy and ``key=value`` items belong to the
+    policy before them, so ``"O1-bf16,O2-bf16"`` is two policies and
+    ``"base=O2-bf16,compute=bfloat16"`` or ``"O2-bf16,compute=float32"`` one (the key
+    grammar's own commas)."""
+    out: list[str] = []
+    for part in text.split(";"):
+        current: list[str] = []
+        for item in split_items(part):
+            if "=" not in item and current:
+                out.append(",".join(current))
+                current = []
+            current.append(item)
+        if current:
+            out.append(",".join(current))
+    if not out:
+        raise AdviceError(f"--candidates {text!r} names no policy; e.g. 'O1-bf16,O2-bf16'")
+    return out
+
+
 def backend_of(model: Any) -> str:
     """``"torch"`` or ``"mxnet"``, from the packages the model's classes come from."""
     for cls in type(model).__mro__:
@@ -64,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     model, optimizer, batches, loss_fn = made
     backend = args.backend or backend_of(model)
-    candidates = args.candidates.split(",") if args.candidates else None
+    candidates = split_candidates(args.candidates) if args.candidates else None
     options: dict[str, Any] = {"candidates": candidates, "steps": args.steps}
     api = load_backend(backend)
     if backend == "mxnet":
@@ -83,7 +105,11 @@ def add_parser(sub: Any) -> None:
     advise = sub.add_parser("advise", help="train short copies under each policy and advise")
     advise.add_argument("factory", help="module:function returning (model, opt, batches, loss)")
     advise.add_argument("--backend", choices=("torch", "mxnet"), help="default: from the model")
-    advise.add_argument("--candidates", help="comma-separated policies (default: all runnable)")
+    advise.add_argument(
+        "--candidates",
+        help="policies to try (default: all runnable): preset names separated by commas, "
+        "key-grammar policies separated by ';' (e.g. 'O1-bf16;base=O2-bf16,compute=bfloat16')",
+    )
     advise.add_argument("--steps", type=int, default=20, help="training steps per policy")
     advise.add_argument("--out", default="mixprec-advice", help="folder for report and plots")
     advise.set_defaults(run=_run)

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from mixprec.advise_cli import add_parser as add_advise_parser
+from mixprec.dtypes import canonical_dtype
 from mixprec.errors import MixprecError
 from mixprec.grammar import format_loss_scale
 from mixprec.plugins import (
@@ -62,7 +63,9 @@ def _cmd_policies(args: argparse.Namespace) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     policy = get_policy(args.policy)
-    inputs = tuple(args.inputs.split(",")) if args.inputs else ()
+    inputs = (
+        tuple(canonical_dtype(d.strip()) for d in args.inputs.split(",")) if args.inputs else ()
+    )
     print(policy.explain(args.op, inputs, module=args.module, module_class=args.module_class))
     return 0
 

@@ -41,7 +41,13 @@ from typing import Any
 
 from mixprec.backend import Capabilities
 from mixprec.errors import PolicyError
-from mixprec.grammar import parse_module_rule, split_items, split_ops, toml_dumps
+from mixprec.grammar import (
+    check_policy_mapping,
+    parse_module_rule,
+    split_items,
+    split_ops,
+    toml_dumps,
+)
 from mixprec.plugins import plugin_presets, policy_resolved
 from mixprec.policy import ModuleRule, Policy
 from mixprec.presets import (
@@ -202,6 +208,7 @@ def policy_from_mapping(d: Mapping[str, Any]) -> Policy:
     ``modules`` (the complete list of module rules) and ``add_modules`` (rules added to the
     base's, or replacing the base's rule for the same pattern).
     """
+    check_policy_mapping(d)
     unknown = sorted(set(d) - set(_MAPPING_KEYS))
     if unknown:
         close = difflib.get_close_matches(unknown[0], _MAPPING_KEYS, n=1)
@@ -238,17 +245,39 @@ def read_toml(path_or_text: str | os.PathLike[str]) -> Policy:
     if isinstance(path_or_text, os.PathLike) or (
         "\n" not in text and text.strip().endswith(".toml")
     ):
-        try:
-            text = Path(text).read_text(encoding="utf-8")
-        except OSError as err:
-            raise PolicyError(
-                f"cannot read policy file {os.fspath(path_or_text)!r}: {err}"
-            ) from err
+        text = _read_policy_file(text)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise PolicyError(f"policy TOML is not valid TOML: {err}") from err
+    except RecursionError:
+        raise PolicyError(
+            "policy TOML nests arrays or tables too deeply to read; a policy needs two levels"
+        ) from None
     return policy_from_mapping(data)
+
+
+#: The largest policy file read: real ones are a few kilobytes; a path to ``/dev/zero`` or
+#: a huge file must not be read without bound.
+MAX_POLICY_BYTES = 1 << 20
+
+
+def _read_policy_file(path: str) -> str:
+    """The UTF-8 text of a policy file of at most :data:`MAX_POLICY_BYTES`."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_POLICY_BYTES + 1)
+    except OSError as err:
+        raise PolicyError(f"cannot read policy file {path!r}: {err}") from err
+    if len(data) > MAX_POLICY_BYTES:
+        raise PolicyError(
+            f"policy file {path!r} is larger than {MAX_POLICY_BYTES >> 20} MiB; a policy is a "
+            "short TOML file (mixprec.Policy.to_toml writes one)"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PolicyError(f"policy file {path!r} is not UTF-8 text ({err})") from None
 
 
 def policy_from_spec(spec: object) -> Policy:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from mixprec import plugins
+from mixprec.advise_cli import split_candidates
 from mixprec.cli import main
+from mixprec.errors import AdviceError
 from mixprec.presets import DTYPE_ROLES, builtin_preset_names
 from mixprec.spec import get_policy
 
@@ -80,3 +83,55 @@ def test_backends_reports_versions_and_capabilities() -> None:
     assert f"torch {torch.__version__.split('+')[0]}" in out
     assert f"mxnet {mxnet.__version__}" in out
     assert "cpu: float32" in out and "bfloat16" in out
+
+
+# ---------------------------------------------------------------------- issue 21
+
+
+def test_explain_of_a_hostile_policy_file_is_an_error_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``mixprec explain`` printed an AttributeError traceback for ``base = 5``."""
+    for text in ("base = 5\n", "ops = " + "[" * 5000 + "]" * 5000 + "\n"):
+        path = tmp_path / "hostile.toml"
+        path.write_text(text, encoding="utf-8")
+        assert main(["explain", str(path), "softmax"]) == 2
+        assert capsys.readouterr().err.startswith("mixprec: error: ")
+    path.write_bytes(b"\xff\xfe")
+    assert main(["explain", str(path), "softmax"]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+def test_explain_refuses_an_unknown_input_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "O2", "linear", "--inputs", "float99"]) == 2
+    assert "unknown dtype 'float99'" in capsys.readouterr().err
+    assert main(["explain", "O2-bf16", "add", "--inputs", "bf16, fp32"]) == 0
+    assert "float32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("given", "policies"),
+    [
+        ("O1-bf16,O2-bf16", ["O1-bf16", "O2-bf16"]),
+        ("base=O2-bf16,compute=bfloat16", ["base=O2-bf16,compute=bfloat16"]),
+        ("O2-bf16,output=bfloat16", ["O2-bf16,output=bfloat16"]),
+        ("O1-bf16;base=O2-bf16,compute=bfloat16", ["O1-bf16", "base=O2-bf16,compute=bfloat16"]),
+        ("mine.toml, O1 ;", ["mine.toml", "O1"]),
+        (
+            "path:head=float32(fp32=softmax,lowp=bmm),O1",
+            ["path:head=float32(fp32=softmax,lowp=bmm)", "O1"],
+        ),
+    ],
+)
+def test_advise_candidates_keep_a_key_grammar_policy_whole(given: str, policies: list[str]) -> None:
+    """``--candidates "base=O2-bf16,compute=bfloat16"`` was split on the comma into two
+    policies, and a policy nobody asked for was recommended."""
+    assert split_candidates(given) == policies
+    for policy in policies:
+        if not policy.endswith(".toml"):
+            get_policy(policy)  # each one is a policy
+
+
+def test_advise_candidates_that_name_nothing_are_refused() -> None:
+    with pytest.raises(AdviceError, match="names no policy"):
+        split_candidates(" ; ,")
