@@ -210,8 +210,9 @@ def parse_module_rule(key: str, value: str) -> ModuleRule:
 # ---------------------------------------------------------------------- mapping shapes
 
 _SCALAR = (str, int, float, bool)
-_ROLE_OR_NAME = ("base", "name", "params", "param", "compute", "output", "master", "reduce")
-_ROLE_OR_NAME += ("state",)
+_ROLE_OR_NAME = frozenset(
+    ("base", "name", "params", "param", "compute", "output", "master", "reduce", "state")
+)
 _short = reprlib.Repr()
 _short.maxlevel, _short.maxstring, _short.maxother = 3, 60, 60
 
