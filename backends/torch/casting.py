@@ -27,13 +27,15 @@ is called from outside the model's forward (``model.encoder(x)``, ``self.net(x)`
 LightningModule's ``training_step``), it opens the
 same region, pushes its nearest ruled ancestor's decision context, turns autocast off under
 a pinned ancestor, casts its inputs to its own dtype and its outputs to ``policy.output``,
-exactly as the root would. Called during backward (``torch.utils.checkpoint`` recomputing
-it, :mod:`mixprec_torch.recompute`), an entry opens the same region but casts neither inputs
-nor outputs, as inside the forward. Inside the model's forward an entry only reads one counter
-(:attr:`ModelCasting.depth`) and does nothing, but a hooked module takes PyTorch's slower
-call path (measured on this CPU: 2.5 µs a call without hooks, 8.3 µs with an entry's two),
-so leaves deeper down (a single ``Linear`` inside a block, most of a model's modules) get
-no entry: such a leaf called on its own runs as PyTorch runs it.
+exactly as the root would. Inside the model's forward an entry reads one counter
+(:attr:`ModelCasting.depth`) and, when its parameters are low precision, casts a float32
+input the model made itself (a positional encoding cached in ``forward``, a float mask) to
+their dtype: under O2 such a tensor would otherwise meet them in a matmul and fail. Called
+during backward (``torch.utils.checkpoint`` recomputing it, :mod:`mixprec_torch.recompute`),
+an entry opens the same region and casts as inside the forward. A hooked module takes
+PyTorch's slower call path (measured on this CPU: 2.5 µs a call without hooks, 8.3 µs with
+an entry's two), so leaves deeper down (a single ``Linear`` inside a block, most of a
+model's modules) get no entry: such a leaf called on its own runs as PyTorch runs it.
 
 Every hook is a bound method of a :class:`ModelCasting` stored on the model, so
 ``copy.deepcopy(model)`` copies hooks and plan consistently; pickling them raises
@@ -54,7 +56,7 @@ from mixprec.policy import Policy
 
 from .autocast import DecisionContext, OpCasting, context_stack, disable_autocast, recomputation
 from .copies import CopyOnly
-from .dtypes import cast_floating, torch_dtype
+from .dtypes import cast_floating, holds_wide_float, torch_dtype
 from .param_dtypes import apply_param_dtypes, lowp_param, planned_dtypes, recast_error
 from .reentrant import ReentrantCheck, plain_function_context
 from .sites import ModuleSite, class_names, plan_model
@@ -337,11 +339,23 @@ class _EntryHooks:
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         owner = self.owner
-        if owner.depth:
-            return None  # inside the model's forward: the root's boundary holds already
+        if owner.depth:  # inside the model's forward: the root's boundary holds already,
+            return self._inner(args, kwargs)  # but a float32 tensor made inside it may not
         if torch.compiler.is_compiling():
             return _entry_pre_eagerly(self, module, args, kwargs)
         return self._pre(module, args, kwargs)
+
+    def _inner(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Inside the model's forward (or its recomputation): a float32 or float64 tensor the
+        model made itself (a positional encoding cached in forward, a float mask) reaching a
+        module whose parameters are low precision is cast to their dtype, as the root's
+        boundary casts the inputs; otherwise it would meet those parameters in the first
+        matmul ("expected m1 and m2 to have the same dtype"). Nothing is cast, and only the
+        top level is looked at, when every input already has a low-precision dtype."""
+        dtype = self.input
+        if dtype is None or not (holds_wide_float(args) or holds_wide_float(kwargs.values())):
+            return None
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         owner = self.owner
@@ -369,7 +383,9 @@ class _EntryHooks:
         owner.depth += 1
         undo.append(owner.leave)
         _hooks_local.stack.append((module, undo))
-        if self.input is not None and not self.recomputing:
+        if self.recomputing:  # cast as inside the forward it recomputes
+            return self._inner(args, kwargs)
+        if self.input is not None:
             return cast_floating(args, self.input), cast_floating(kwargs, self.input)
         return None
 
