@@ -543,3 +543,81 @@ def test_state_dict_of_every_kind_names_it() -> None:
         loss_scale_from_state_dict({**saved, "kind": ["dynamic"]})
     with pytest.raises(CheckpointError, match="missing \\['init'\\], unexpected \\['x'\\]"):
         loss_scale_from_state_dict({**{k: v for k, v in saved.items() if k != "init"}, "x": 1})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init": "x"}, r"DynamicScale init must be a positive finite number, got 'x'; see help"),
+        ({"growth": "x"}, r"DynamicScale growth must be a positive finite number.*see help"),
+        ({"growth": 0.5}, r"DynamicScale growth must be >= 1, got 0\.5; try 2\.0"),
+        ({"backoff": "x"}, r"DynamicScale backoff must be a positive finite number.*see help"),
+        ({"backoff": 2.0}, r"backoff must be between 0 and 1, got 2\.0; try 0\.5"),
+        ({"interval": 0}, r"DynamicScale interval must be >= 1, got 0; try 2000"),
+        ({"interval": "x"}, r"DynamicScale interval must be an integer, got 'x'; try 2000"),
+        ({"hysteresis": 0}, r"DynamicScale hysteresis must be >= 1, got 0; 1 means no tolerance"),
+        ({"min": "x"}, r"DynamicScale min must be a positive finite number.*see help"),
+        ({"max": "x"}, r"DynamicScale max must be a positive finite number.*math\.inf"),
+        ({"scale": "x"}, r"DynamicScale scale must be a positive finite number.*see help"),
+        ({"scale": 2.0**30}, r"scale=1073741824\.0 lies outside \[min, max\].*leave scale unset"),
+        ({"good_steps": -1}, r"DynamicScale good_steps must be >= 0, got -1; leave it at 0"),
+        ({"overflows_left": 0}, r"DynamicScale overflows_left must be >= 1.*leave it unset"),
+        ({"overflows_left": 2}, r"overflows_left=2 exceeds hysteresis=1; leave it unset"),
+    ],
+)
+def test_each_bad_argument_is_named_with_its_fix(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(PolicyError, match=match):
+        DynamicScale(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_bad_static_scale_names_the_class_and_the_fix() -> None:
+    with pytest.raises(PolicyError, match=r"StaticScale\.scale must be .*StaticScale\(1024\.0\)"):
+        StaticScale(0.0)
+
+
+class _Index:
+    """An integer of another library (numpy.int64 and friends)."""
+
+    def __index__(self) -> int:
+        return 3
+
+
+def test_arguments_are_stored_as_floats_and_ints() -> None:
+    state = DynamicScale(
+        init=8, growth=4, backoff=_Half(), interval=_Index(), hysteresis=_Index(), min=2, max=64
+    )  # type: ignore[arg-type]
+    floats = [getattr(state, k) for k in ("init", "growth", "min", "max")]
+    assert floats == [8.0, 4.0, 2.0, 64.0] and {type(v) for v in floats} == {float}
+    assert (type(state.backoff), state.backoff) == (float, 0.5)
+    assert [type(getattr(state, k)) for k in ("interval", "hysteresis", "overflows_left")] == [
+        int, int, int
+    ]  # fmt: skip
+    assert (state.interval, state.hysteresis, state.scale, type(state.scale)) == (3, 3, 8.0, float)
+    moved = DynamicScale(init=8, scale=16, good_steps=_Index(), interval=4, overflows_left=1)  # type: ignore[arg-type]
+    assert (type(moved.scale), moved.scale, type(moved.good_steps), moved.good_steps) == (
+        float, 16.0, int, 3
+    )  # fmt: skip
+    assert type(StaticScale(4).scale) is float  # type: ignore[arg-type]
+
+
+class _Half:
+    def __float__(self) -> float:
+        return 0.5
+
+
+def test_no_scale_is_disabled_and_the_others_enabled_exactly() -> None:
+    assert NoScale().enabled is False and StaticScale(2.0).enabled is True
+    assert DynamicScale().enabled is True and NoScale().scale == 1.0
+
+
+def test_a_scale_may_grow_to_exactly_float32s_largest() -> None:
+    state = DynamicScale(init=2.0**126, growth=4.0, interval=1, max=FLOAT32_MAX)
+    assert state.update(False).state.scale == FLOAT32_MAX
+    at_top = DynamicScale(init=FLOAT32_MAX, interval=1, max=math.inf)
+    assert at_top.update(False) == (at_top.update(False).state, ())  # stays, no event
+
+
+def test_the_floor_warning_points_at_the_caller_of_update() -> None:
+    with pytest.warns(MixprecWarning) as caught:
+        DynamicScale(init=2.0, min=1.5).update(True)
+    assert caught[0].filename == __file__
