@@ -200,3 +200,26 @@ def test_save_takes_every_name_torch_save_takes(tmp_path: Path, length: int) -> 
     torch.save({"w": torch.ones(1)}, path)  # torch accepts it
     mpt.save({"w": torch.zeros(1)}, path)
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.zeros(1))
+
+
+@pytest.mark.parametrize("policy", ["O2", "O2-bf16", "O3-bf16-kahan", "O3-bf16-sr,state=bfloat16"])
+def test_every_checkpoint_mixprec_writes_loads_without_unpickling_code(
+    policy: str, tmp_path: Path
+) -> None:
+    """docs/reliability.md's threat model: what mixprec puts into a checkpoint (the masters,
+    the scaler, the tracker, the policy, the compensation and its generator state) is plain
+    data, so ``torch.load(weights_only=True)`` (PyTorch's default) reads it and resumes."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = mpt.wrap(model, opt, policy=policy)
+    for s in range(2):
+        train_step(model, opt, s)
+    path = tmp_path / "ckpt.pt"
+    mpt.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    saved = torch.load(path, weights_only=True)
+    fresh = mlp(1)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-3)
+    fresh, fresh_opt = mpt.wrap(fresh, fresh_opt, policy=policy)
+    fresh.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["optimizer"])
+    assert same(snapshot(fresh), snapshot(model))
