@@ -175,6 +175,17 @@ def test_names_up_to_the_file_system_limit_are_written(tmp_path: Path, length: i
     assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
 
 
+def test_the_temporary_name_keeps_at_most_200_bytes_of_the_target_name(tmp_path: Path) -> None:
+    with atomic_path(tmp_path / ("é" * 127)) as tmp:
+        name = Path(tmp).name.encode()
+        Path(tmp).write_bytes(b"x")
+    # the dot, 200 bytes (100 whole characters), the dash, 8 random characters, ".tmp"
+    assert len(name) == 1 + 200 + 1 + 8 + 4 and name.startswith(b"." + "é".encode() * 100 + b"-")
+    with atomic_path(tmp_path / ("a" * 199 + "é")) as tmp:  # a character cut in half is dropped
+        assert Path(tmp).name.startswith("." + "a" * 199 + "-")
+        Path(tmp).write_bytes(b"x")
+
+
 def test_the_temporary_name_keeps_the_target_name_and_the_suffix(tmp_path: Path) -> None:
     with atomic_path(tmp_path / "plot.png", suffix=".png") as tmp:
         name = Path(tmp).name
@@ -185,10 +196,18 @@ def test_the_temporary_name_keeps_the_target_name_and_the_suffix(tmp_path: Path)
         Path(tmp).write_bytes(b"x")
 
 
-def test_reading_the_umask_at_import_puts_it_back() -> None:
+def test_reading_the_umask_at_import_puts_it_back(tmp_path: Path) -> None:
     """mixprec.atomic reads the umask by setting it; the process's own must stay."""
     script = "import os; os.umask(0o077); import mixprec.atomic; print(oct(os.umask(0)))"
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    done = subprocess.run(  # run elsewhere: the import is the installed mixprec's
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path
     )
     assert done.stdout.strip() == "0o77"
+
+
+def test_a_name_with_bytes_that_are_no_utf8_is_written(tmp_path: Path) -> None:
+    """A file name from ``os.listdir`` may hold undecodable bytes (as surrogates)."""
+    target = tmp_path / os.fsdecode(b"ckpt-\xff.pt")
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert os.listdir(os.fsencode(tmp_path)) == [b"ckpt-\xff.pt"]
