@@ -140,3 +140,39 @@ def test_a_loss_scale_that_is_no_number_is_refused_naming_the_forms(given: objec
     with pytest.raises(PolicyError, match="loss_scale"):
         amp.initialize(model, opt, opt_level="O2", loss_scale=given, verbosity=0)
     assert model.weight.dtype == torch.float32  # refused before anything changed
+
+
+def test_the_dcgan_loop_survives_a_skipped_discriminator_step_under_o1() -> None:
+    """apex's DCGAN example with one changed import crashed at iteration 0 under its default
+    O1: D's skipped step restored G's BatchNorm statistics in place, under G's kept graph."""
+    torch.manual_seed(0)
+    netg = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3))
+    netd = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+    opt_d = torch.optim.Adam(netd.parameters(), lr=1e-3)
+    opt_g = torch.optim.Adam(netg.parameters(), lr=1e-3)
+    (netd, netg), (opt_d, opt_g) = amp.initialize(
+        [netd, netg], [opt_d, opt_g], opt_level="O1", num_losses=3, verbosity=0
+    )
+    criterion = nn.BCEWithLogitsLoss()
+    for iteration in range(2):
+        real, noise = torch.randn(8, 3), torch.randn(8, 2)
+        netd.zero_grad()
+        err_real = criterion(netd(real).float(), torch.ones(8, 1))
+        if iteration == 0:
+            err_real = err_real * float("inf")  # D's step is skipped
+        with amp.scale_loss(err_real, opt_d, loss_id=0) as scaled:
+            scaled.backward()
+        fake = netg(noise)
+        g_stats = netg[1].running_mean.clone()
+        err_fake = criterion(netd(fake.detach()).float(), torch.zeros(8, 1))
+        with amp.scale_loss(err_fake, opt_d, loss_id=1) as scaled:
+            scaled.backward()
+        opt_d.step()
+        assert torch.equal(netg[1].running_mean, g_stats)  # D's skip leaves G's statistics
+        netg.zero_grad()
+        err_g = criterion(netd(fake).float(), torch.ones(8, 1))
+        with amp.scale_loss(err_g, opt_g, loss_id=2) as scaled:
+            scaled.backward()  # through G's kept graph
+        opt_g.step()
+    assert [s.skipped_steps for s in amp.loss_scalers()] == [1, 0, 0]
+    assert all(torch.isfinite(p).all() for p in [*netd.parameters(), *netg.parameters()])
