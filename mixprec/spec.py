@@ -303,7 +303,8 @@ def resolve_for_device(
     """
     policy = get_policy(spec, **overrides)
     preferred = None if capabilities is None else capabilities.preferred_lowp(device)
-    policy = resolve_auto(policy, preferred)
+    why = "" if capabilities is None else capabilities.device(device).note
+    policy = resolve_auto(policy, preferred, why)
     if check is not None:
         check(policy)
     policy_resolved(policy, backend, device)

@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "compiled_inner",
+    "fake_tensor_mode",
     "foreach_copy_",
     "foreach_norm_float32",
     "foreach_zero_",
@@ -29,6 +30,7 @@ __all__ = [
     "load_strict",
     "mark_step_hooked",
     "non_finite_check_and_unscale_",
+    "onednn_runs_bfloat16",
     "problems",
     "reentrant_checkpoint_function",
     "scheduler_step_wrapper",
@@ -104,6 +106,20 @@ def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
     and comparing copies would cost the weights' memory and a pass over them.
     """
     return [t._version for t in tensors]
+
+
+def onednn_runs_bfloat16() -> bool:
+    """Whether this torch's oneDNN runs bfloat16 matmuls and convolutions at its effective ISA
+    (False for a build without oneDNN).
+
+    Why private: ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` is the only check that honours
+    oneDNN's own ISA (``ONEDNN_MAX_CPU_ISA=AVX2`` makes it False on an AVX512-BF16 CPU); the
+    public ``torch.backends.mkldnn.is_available()`` says only that oneDNN is built in.
+    """
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def sole_owner(storage: torch.UntypedStorage) -> bool:
@@ -247,6 +263,20 @@ def load_strict() -> bool | None:
     return None
 
 
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode``: tensors made inside it have a device and a dtype but no data, so
+    CUDA tensors exist without a GPU and ops compute only their results' dtypes and shapes.
+
+    Why private: ``torch._subclasses.fake_tensor`` is how torch itself (``torch.compile``)
+    traces without running kernels; there is no public equivalent. The lockfile
+    (:mod:`mixprec_torch.native`) runs CUDA autocast's own kernels on fake tensors to record
+    what it does with each op on a machine without a GPU.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
 def _doubled(t: torch.Tensor) -> torch.Tensor:
     return t * 2
 
@@ -267,6 +297,15 @@ def problems() -> list[str]:
         "_foreach_zero_",
     ):
         need(callable(getattr(torch, name, None)), f"torch.{name} is gone")
+    try:
+        torch.ops.mkldnn._is_mkldnn_bf16_supported  # noqa: B018 - the lookup is the check
+        has_probe = True
+    except (AttributeError, RuntimeError):
+        has_probe = False
+    need(
+        has_probe or not torch.backends.mkldnn.is_available(),
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported is gone",
+    )
     need(
         hasattr(torch.Tensor, "_version") and hasattr(torch.Tensor, "_values"),
         "Tensor._version or Tensor._values is gone",
@@ -290,6 +329,12 @@ def problems() -> list[str]:
         "torch._C._storage_Use_Count no longer counts the tensors holding a storage",
     )
     need(not in_backward(), "torch._C._current_graph_task_id is not -1 outside backward")
+    try:
+        with fake_tensor_mode():
+            fake = torch.ones(2, device="cuda")
+        need(fake.device.type == "cuda", "FakeTensorMode no longer makes CUDA tensors")
+    except Exception as exc:
+        need(False, f"torch._subclasses.fake_tensor.FakeTensorMode fails: {exc}")
     seen: list[bool] = []
     leaf = torch.ones(1, requires_grad=True)
     leaf.register_hook(lambda grad: seen.append(in_backward()))
