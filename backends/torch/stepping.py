@@ -53,15 +53,24 @@ import torch
 from mixprec.errors import StepOrderError
 from mixprec.step import Stage
 
+from . import native
 from .diagnostics import record_overflows
 from .distributed import all_reduce_found_inf, is_distributed
-from .model_edits import cast_grads_into, mark_copied, refresh_edited_masters, take_grad_edits
+from .grad_check import native_unscale
+from .model_edits import (
+    cast_grads_into,
+    grad_buffers,
+    mark_copied,
+    refresh_edited_masters,
+    take_grad_edits,
+)
 from .optimizer_state import OptimizerState, Round, WrapGroup, base_class, optimizer_state
 from .torch_private import (
     foreach_copy_,
     foreach_norm_float32,
     mark_step_hooked,
     non_finite_check_and_unscale_,
+    run_step_hooks,
     sparse_values,
 )
 
@@ -105,6 +114,7 @@ def copies(st: OptimizerState, optimizer: torch.optim.Optimizer) -> tuple[list[A
                     params.append(param)
                     masters.append(master)
         st.copies = (params, masters)
+        st.model_of = {id(m): p for p, m in zip(params, masters, strict=True)}
         st.param_versions = None  # kept in the order of the cached lists
     return st.copies
 
@@ -113,10 +123,15 @@ def copy_grads_to_masters(st: OptimizerState, optimizer: torch.optim.Optimizer) 
     """Cast the model gradients into the masters' float32 gradients (None stays None)."""
     params, masters = copies(st, optimizer)
     cast_grads_into([param.grad for param in params], masters, st.spare_grads)
+    st.grads_cast = True
 
 
 def unscale(
-    st: OptimizerState, optimizer: torch.optim.Optimizer, scale: float | None = None
+    st: OptimizerState,
+    optimizer: torch.optim.Optimizer,
+    scale: float | None = None,
+    *,
+    for_user: bool = False,
 ) -> None:
     """Unscale the gradients the optimizer will apply, in place, and record overflow.
 
@@ -127,9 +142,32 @@ def unscale(
     the norm pass alone catches all three, so the bf16 presets read the gradients once, as
     before. The flags stay on the device in ``st.found_inf`` (no host sync here). ``scale``
     divides instead of the group's scale (the apex shim's per-loss scalers).
+
+    Where every gradient is a dense CPU tensor and the native kernels are built, the cast,
+    the unscale and the check are one pass (:func:`~mixprec_torch.grad_check.native_unscale`).
+    Under the fused compensated update the model's gradients are only read, unless the user
+    called ``unscale_`` (``for_user``: the masters' gradients are then there to clip).
     """
-    copy_grads_to_masters(st, optimizer)
     scaler = st.group.scaler
+    lib = native.library() if st.local is None else None
+    if lib is not None:
+        scaled_now = scale is not None or scaler.enabled
+        inv = 1.0 / (scale if scale is not None else scaler.scale) if scaled_now else None
+        comp = st.group.compensation
+        cast = for_user or scaled_now or comp is None or not comp.fusable(optimizer)
+        copies(st, optimizer)
+
+        def buffers(
+            grads: list[torch.Tensor | None], masters: list[torch.Tensor]
+        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            return grad_buffers(grads, masters, st.spare_grads)
+
+        flags = native_unscale(lib, optimizer, st.model_of, inv, cast, buffers)
+        if flags is not None:
+            st.grads_cast = cast
+            st.found_inf = flags
+            return
+    copy_grads_to_masters(st, optimizer)
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
         lambda: defaultdict(list)
     )
@@ -282,11 +320,16 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     try:
         if not decision.skipped:
             compensation = st.group.compensation
-            if compensation is None:  # compensated masters exist only inside this step
-                params, masters = copies(st, self)
+            params, masters = copies(st, self)
+            if compensation is None:  # compensated weights are read afresh by the update
                 refresh_edited_masters(st, params, masters)
-                take_grad_edits(st, params, masters)
-            else:
+            take_grad_edits(st, params, masters)  # a clip of the model's grads after unscale_
+            if compensation is not None and compensation.fusable(self):
+                # one pass per tensor, no float32 working masters (torch's SGD/Adam/AdamW)
+                grads_cast = st.grads_cast
+                run_step_hooks(self, lambda: compensation.step_fused(self, master_grads=grads_cast))
+                return loss
+            if compensation is not None:
                 compensation.fill(self)  # float32 working masters: w + c (kahan) or w
             if closure is None:
                 base_class(self).step(self)
@@ -301,6 +344,7 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
         st.round = None
         st.implicit_unscale = False
         st.grad_marks = None
+        st.grads_cast = False
     return loss
 
 
