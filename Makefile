@@ -25,8 +25,8 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check mixprec backends plugins tests benchmarks examples
-	$(BIN)/ruff format --check mixprec backends plugins tests benchmarks examples
+	$(BIN)/ruff check mixprec backends plugins tests benchmarks examples docsbuild
+	$(BIN)/ruff format --check mixprec backends plugins tests benchmarks examples docsbuild
 	# mypy_path is build/typecheck: link the backends there first (a fresh clone has none)
 	mkdir -p build/typecheck
 	ln -sfn ../../backends/torch build/typecheck/mixprec_torch

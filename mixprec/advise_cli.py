@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixprec.cli_format import positive_int
 from mixprec.errors import AdviceError
 from mixprec.plugins import load_backend
 
@@ -55,8 +56,20 @@ def backend_of(model: Any) -> str:
     )
 
 
+def _make(spec: str) -> Any:
+    factory = load_factory(spec)
+    try:
+        return factory()
+    except Exception as exc:  # the user's code: one line that says where, not a traceback
+        raise AdviceError(
+            f"{spec}() raised {type(exc).__name__}: {exc}. The factory must be a function of "
+            "no arguments returning (model, optimizer factory, batches, loss_fn); call it in "
+            "Python to see the traceback"
+        ) from exc
+
+
 def _run(args: argparse.Namespace) -> int:
-    made = load_factory(args.factory)()
+    made = _make(args.factory)
     if not isinstance(made, tuple) or len(made) != 4:
         raise AdviceError(
             f"{args.factory} must return (model, optimizer factory, batches, loss_fn), "
@@ -78,12 +91,33 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+EPILOG = """examples:
+  mixprec advise examples.advise_demo:torch_digits --out advice/ --steps 16
+  mixprec advise examples.advise_demo:mxnet_digits --candidates O1-bf16,O2-bf16
+  mixprec advise mypackage.train:make_model --backend torch
+
+FACTORY names a function of no arguments, in a module importable from the current folder
+or the installed packages. It returns (model, make_optimizer, batches, loss_fn) for
+PyTorch, (net, (optimizer, optimizer_params), batches, loss_fn) for Gluon.
+"""
+
+
 def add_parser(sub: Any) -> None:
     """Add the ``advise`` subcommand to the ``mixprec`` parser's subparsers."""
-    advise = sub.add_parser("advise", help="train short copies under each policy and advise")
+    advise = sub.add_parser(
+        "advise",
+        help="train short copies under each policy and advise",
+        description="Train short copies of your model under float32 and each candidate "
+        "policy, measure speed, memory and loss against float32, find the modules that hurt "
+        "in low precision, and recommend a policy. The report, the policy as TOML and four "
+        "plots go into --out.",
+        epilog=EPILOG,
+    )
     advise.add_argument("factory", help="module:function returning (model, opt, batches, loss)")
     advise.add_argument("--backend", choices=("torch", "mxnet"), help="default: from the model")
     advise.add_argument("--candidates", help="comma-separated policies (default: all runnable)")
-    advise.add_argument("--steps", type=int, default=20, help="training steps per policy")
+    advise.add_argument(
+        "--steps", type=positive_int, default=20, help="training steps per policy (default: 20)"
+    )
     advise.add_argument("--out", default="mixprec-advice", help="folder for report and plots")
     advise.set_defaults(run=_run)

@@ -5,6 +5,10 @@ Subcommands:
   ``mixprec explain POLICY OP``      which rule decides an op's dtype, and why
   ``mixprec backends``               installed backends, versions, capabilities, broken plugins
   ``mixprec advise MODULE:FACTORY``  which policy for your model here (:mod:`mixprec.advise_cli`)
+
+Messages follow one format on stderr: ``mixprec: error: ...`` (exit status 2) for a mistake
+in the arguments or a refused input, ``mixprec: warning: ...`` for each warning
+(:mod:`mixprec.cli_format`).
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import mixprec
 from mixprec.advise_cli import add_parser as add_advise_parser
-from mixprec.errors import MixprecError
+from mixprec.cli_format import CliParser, cli_messages, dtype_list
 from mixprec.grammar import format_loss_scale
 from mixprec.plugins import (
     DISABLE_ENV,
@@ -22,10 +27,11 @@ from mixprec.plugins import (
     disabled_plugins,
     list_backends,
     load_backend,
+    plugin_preset_sources,
 )
 from mixprec.policy import Policy
 from mixprec.presets import DTYPE_ROLES, builtin_preset_names
-from mixprec.spec import get_policy
+from mixprec.spec import get_policy, preset_names
 
 __all__ = ["main"]
 
@@ -54,15 +60,24 @@ def describe_policy(name: str, policy: Policy, *, lists: bool = True) -> str:
 
 
 def _cmd_policies(args: argparse.Namespace) -> int:
-    names = args.names or builtin_preset_names()
-    blocks = [describe_policy(name, get_policy(name), lists=not args.brief) for name in names]
+    names = args.names or preset_names()
+    builtin = {name.lower() for name in builtin_preset_names()}
+    from_plugins = [name for name in names if name.lower() not in builtin]
+    sources = plugin_preset_sources() if from_plugins else {}
+    blocks = []
+    for name in names:
+        block = describe_policy(name, get_policy(name), lists=not args.brief)
+        if name in sources:
+            first, _, rest = block.partition("\n")
+            block = f"{first}  (from the {sources[name]} plugin)\n{rest}"
+        blocks.append(block)
     print("\n\n".join(blocks))
     return 0
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     policy = get_policy(args.policy)
-    inputs = tuple(args.inputs.split(",")) if args.inputs else ()
+    inputs = tuple(args.inputs) if args.inputs else ()
     print(policy.explain(args.op, inputs, module=args.module, module_class=args.module_class))
     return 0
 
@@ -99,25 +114,64 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+EPILOG = """examples:
+  mixprec policies --brief                 every preset get_policy accepts, roles only
+  mixprec explain O1-bf16 softmax          which rule decides softmax's dtype under O1-bf16
+  mixprec backends                         what each installed backend computes in here
+  mixprec advise mymodel:factory           which policy for your model on this machine
+
+'mixprec COMMAND --help' describes each command; the documentation is in docs/ (make docs).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mixprec`` command."""
-    parser = argparse.ArgumentParser(prog="mixprec", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = CliParser(prog="mixprec", description=__doc__.splitlines()[0], epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"mixprec {mixprec.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    policies = sub.add_parser("policies", help="print each preset's roles and op lists")
-    policies.add_argument("names", nargs="*", help="presets to show (default: all built-ins)")
+    policies = sub.add_parser(
+        "policies",
+        help="print each preset's roles and op lists",
+        description="Print each preset's dtype roles, loss scale, op lists and module rules: "
+        "the built-in presets, their aliases, then the presets of installed plugins "
+        "(torch-autocast* come from the torch plugin).",
+        epilog="examples:\n  mixprec policies\n  mixprec policies O2-bf16 torch-autocast\n"
+        "  mixprec policies --brief",
+    )
+    policies.add_argument(
+        "names", nargs="*", help="presets to show (default: every name get_policy accepts)"
+    )
     policies.add_argument("--brief", action="store_true", help="roles only, no op lists")
     policies.set_defaults(run=_cmd_policies)
 
-    explain = sub.add_parser("explain", help="show which rule decides an op's dtype")
+    explain = sub.add_parser(
+        "explain",
+        help="show which rule decides an op's dtype",
+        description="Walk the policy's rules for one op, in the order they apply, and show "
+        "which one decides the op's dtype.",
+        epilog="examples:\n  mixprec explain O1-bf16 softmax --inputs bfloat16\n"
+        "  mixprec explain 'O1,path:head=float32' linear --inputs float16 --module head\n"
+        "  mixprec explain policy.toml layer_norm --module-class LayerNorm",
+    )
     explain.add_argument("policy", help="a preset name, key grammar or .toml file")
     explain.add_argument("op", help="a neutral op name such as softmax or linear")
-    explain.add_argument("--inputs", help="comma-separated input dtypes, e.g. float16,float32")
+    explain.add_argument(
+        "--inputs",
+        type=dtype_list,
+        help="comma-separated input dtypes, e.g. float16,float32 (int64, bool... take no part)",
+    )
     explain.add_argument("--module", help="the module's qualified name, e.g. encoder.0.attn")
     explain.add_argument("--module-class", help="the module's class name, e.g. BatchNorm2d")
     explain.set_defaults(run=_cmd_explain)
 
-    backends = sub.add_parser("backends", help="list installed backends and broken plugins")
+    backends = sub.add_parser(
+        "backends",
+        help="list installed backends and broken plugins",
+        description="List the installed backends, their framework versions, the dtypes each "
+        "device computes in (and which are fast), and any plugin that failed to load.",
+        epilog="examples:\n  mixprec backends\n  mixprec backends --no-capabilities",
+    )
     backends.add_argument(
         "--no-capabilities", action="store_true", help="do not import frameworks to probe devices"
     )
@@ -127,13 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mixprec`` console script."""
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.run(args))
-    except MixprecError as exc:
-        print(f"mixprec: error: {exc}", file=sys.stderr)
-        return 2
+    """Entry point of the ``mixprec`` console script (and of ``python -m mixprec``).
+
+    Bare ``mixprec`` prints the help. Errors are one line on stderr with exit status 2.
+    """
+    parser = build_parser()
+    with cli_messages() as report:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        return report(lambda: int(args.run(args)))
 
 
 if __name__ == "__main__":  # pragma: no cover

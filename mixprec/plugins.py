@@ -48,6 +48,7 @@ __all__ = [
     "get_plugin_manager",
     "list_backends",
     "load_backend",
+    "plugin_preset_sources",
     "plugin_presets",
     "policy_resolved",
     "register",
@@ -325,6 +326,19 @@ def plugin_presets() -> dict[str, Policy | Mapping[str, Any]]:
         except BackendNotAvailable:
             continue  # that plugin's framework is missing: its presets are unavailable
     return merged
+
+
+def plugin_preset_sources() -> dict[str, str]:
+    """Each plugin preset's name and the plugin (entry-point name) that contributes it, for
+    ``mixprec policies``; a plugin whose framework is missing contributes none."""
+    sources: dict[str, str] = {}
+    for impl in get_plugin_manager().hook.mixprec_presets.get_hookimpls():
+        try:
+            presets = cast("Mapping[str, object]", impl.function())
+        except BackendNotAvailable:
+            continue
+        sources.update(dict.fromkeys(presets, impl.plugin_name))
+    return sources
 
 
 def _has_listeners(hook: str) -> bool:

@@ -22,9 +22,10 @@ names both. The chain itself lives in :mod:`mixprec.decision`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Literal
 
 from mixprec.compensated import (
@@ -39,7 +40,10 @@ from mixprec.decision import Decision, consult, pinned_dtype, winner
 from mixprec.decision import explain as explain_chain
 from mixprec.dtypes import POLICY_DTYPES, canonical_dtype, holds
 from mixprec.errors import PolicyError
+from mixprec.forms import format_policy, policy_from_mapping
+from mixprec.grammar import toml_dumps
 from mixprec.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
+from mixprec.presets import builtin_preset_name, builtin_preset_names, preset_fields
 from mixprec.rules import LIST_NAMES, ListName, ModuleRule, OpRules, with_rule
 
 __all__ = [
@@ -50,6 +54,7 @@ __all__ = [
     "ModuleRule",
     "OpRules",
     "Policy",
+    "builtin_preset",
 ]
 
 _CACHE_LIMIT = 1 << 16
@@ -317,22 +322,30 @@ class Policy:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Policy:
-        """Read :meth:`to_dict`'s form, or a partial one on a ``"base"`` preset.
+        """Read :meth:`to_dict`'s form, or a partial one on a built-in ``"base"`` preset.
 
-        See :func:`mixprec.spec.policy_from_mapping` for the keys.
+        See :func:`mixprec.forms.policy_from_mapping` for the keys. A partial mapping on a
+        plugin's preset is read by :func:`mixprec.get_policy`, which loads plugins; this
+        method never does.
         """
-        policy: Policy = _text_forms().policy_from_mapping(d)
-        return policy
+        return policy_from_mapping(d, _builtin_base)
 
     def to_toml(self) -> str:
         """The policy as a TOML document that :func:`mixprec.load_toml` reads back."""
-        toml: str = _text_forms().policy_to_toml(self)
-        return toml
+        data = self.to_dict()
+        data["master"] = data["master"] or "none"  # TOML has no null
+        data["state"] = data["state"] or "none"
+        data["modules"] = [
+            {key: value for key, value in rule.items() if value not in (None, {})}
+            for rule in data["modules"]
+        ]
+        header = f"mixprec policy {str(self)!r}\nread it back with mixprec.load_toml(path)"
+        return toml_dumps(data, header=header)
 
     def __str__(self) -> str:
-        """The preset name, or a key-grammar string; ``get_policy(str(p)) == p``."""
-        text: str = _text_forms().format_policy(self)
-        return text
+        """The preset name, or a key-grammar string; ``get_policy(str(p)) == p``
+        (:func:`mixprec.forms.format_policy`)."""
+        return format_policy(self)
 
 
 def _classes(module_class: str | Sequence[str] | None) -> str | tuple[str, ...] | None:
@@ -341,15 +354,29 @@ def _classes(module_class: str | Sequence[str] | None) -> str | tuple[str, ...] 
     return tuple(module_class)
 
 
-def _text_forms() -> ModuleType:
-    """:mod:`mixprec.spec`, imported on first use: the core's one upward import.
+@functools.cache
+def _builtin(name: str) -> Policy:
+    return Policy(**preset_fields(name), name=name)
 
-    A policy's text forms need the preset catalog (``str()`` prints ``"O2"`` for a policy
-    equal to O2, and a partial mapping builds on a ``"base"`` preset, which may come from a
-    plugin), and the catalog is built from policies. Keeping ``str(policy)`` short and
-    unchanged is worth this one documented exception to "every import points down"
-    (docs/architecture.md; the import-linter contract lists it as its only ignored import).
+
+def builtin_preset(name: str) -> Policy | None:
+    """The built-in preset or alias called ``name`` (any case), or None.
+
+    Plugin presets are :func:`mixprec.spec.preset`'s (it loads plugins).
     """
-    from mixprec import spec
+    spelled = builtin_preset_name(name)
+    return None if spelled is None else _builtin(spelled)
 
-    return spec
+
+def _builtin_base(name: str) -> Policy:
+    found = builtin_preset(name)
+    if found is None:
+        names = builtin_preset_names()
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise PolicyError(
+            f"unknown built-in preset {name!r} as 'base'.{hint} Policy.from_dict knows the "
+            f"built-in presets ({', '.join(names)}); mixprec.get_policy(mapping) also reads "
+            "a mapping on a plugin's preset."
+        )
+    return found

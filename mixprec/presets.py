@@ -1,4 +1,4 @@
-"""The built-in preset catalog: presets, aliases, default op lists, overrides, short names.
+"""The built-in preset catalog: presets, aliases, default op lists, overrides, auto.
 
 =========  =========  =================  =======  =======  ==============  ===========
 preset     param      compute            output   master   BatchNorm       loss scale
@@ -19,6 +19,14 @@ O1-bf16, ``16-true`` → O3, ``bf16-true`` → O3-bf16. Gradients are reduced in
 under O3. Names are case-insensitive. This module knows the built-in presets only; the front
 door :mod:`mixprec.spec` adds plugin presets, strings, dicts and TOML (:func:`mixprec.get_policy`).
 
+**Below the policy.** The catalog is data and functions *over* policies: it sits under
+:mod:`mixprec.policy` in the core's floors and never imports it, so that ``str(policy)``
+(:mod:`mixprec.forms`) can look presets up without an import circle. A preset is its
+fields (:func:`preset_fields`); the functions take and return any policy value through the
+:class:`PolicyFields` protocol, building new ones with :func:`dataclasses.replace` (so the
+policy's own validation runs), and :func:`mixprec.policy.builtin_preset` holds the preset
+:class:`~mixprec.policy.Policy` objects themselves.
+
 **Overrides and a changed compute dtype.** ``get_policy("O2", compute="bfloat16")`` and the
 key ``compute=`` re-derive the fields that still hold the value the old compute dtype gave
 them, and keep every field you set: ``param``, ``output`` and ``reduce`` follow compute when
@@ -37,7 +45,7 @@ import difflib
 import functools
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from mixprec.compensated import KAHAN, STOCHASTIC
 from mixprec.dtypes import (
@@ -49,7 +57,6 @@ from mixprec.dtypes import (
     is_low_precision,
 )
 from mixprec.errors import MixprecWarning, PolicyError
-from mixprec.grammar import format_loss_scale, loss_scale_from_value
 from mixprec.loss_scale import DynamicScale, LossScaleConfig, NoScale
 from mixprec.ops import (
     DEFAULT_BANNED,
@@ -60,24 +67,61 @@ from mixprec.ops import (
     FP16_RANGE_ONLY,
     OP_FAMILIES,
 )
-from mixprec.policy import ModuleRule, OpRules, Policy
-from mixprec.rules import LIST_NAMES, with_rule
+from mixprec.rules import ModuleRule, OpRules
 
 __all__ = [
     "ALIASES",
     "BUILTIN_PRESETS",
     "DTYPE_ROLES",
     "ROLE_FIELDS",
-    "builtin_preset",
+    "PolicyFields",
+    "builtin_preset_name",
     "builtin_preset_names",
     "default_loss_scale",
     "default_op_rules",
     "derive",
-    "format_policy",
     "passthrough_op_rules",
+    "preset_fields",
+    "preset_like",
     "preset_name_of",
     "resolve_auto",
 ]
+
+
+class PolicyFields(Protocol):
+    """What the catalog reads of a policy: :class:`mixprec.policy.Policy` is the one there is.
+
+    A frozen dataclass with these fields; new policies are made from one with
+    :func:`dataclasses.replace`, so its own validation runs.
+    """
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def param(self) -> str: ...
+    @property
+    def compute(self) -> str: ...
+    @property
+    def output(self) -> str: ...
+    @property
+    def master(self) -> str | None: ...
+    @property
+    def reduce(self) -> str: ...
+    @property
+    def state(self) -> str | None: ...
+    @property
+    def loss_scale(self) -> LossScaleConfig: ...
+    @property
+    def ops(self) -> OpRules: ...
+    @property
+    def modules(self) -> tuple[ModuleRule, ...]: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def is_resolved(self) -> bool: ...
+
+
+P = TypeVar("P", bound=PolicyFields)
 
 #: Built-in presets, in the order they are listed and tried as a base for ``str()``.
 BUILTIN_PRESETS: tuple[str, ...] = (
@@ -164,12 +208,28 @@ def passthrough_op_rules(compute: str) -> OpRules:
     return OpRules(passthrough=[op for op in OP_FAMILIES if op not in banned], banned=banned)
 
 
-def _build(level: str, lowp: str) -> Policy:
+def _fields(
+    param: str,
+    compute: str,
+    output: str,
+    master: str | None,
+    reduce: str,
+    loss_scale: LossScaleConfig,
+    ops: OpRules,
+    modules: tuple[ModuleRule, ...],
+) -> dict[str, Any]:
+    return dict(
+        param=param, compute=compute, output=output, master=master, reduce=reduce,
+        state=None, loss_scale=loss_scale, ops=ops, modules=modules,
+    )  # fmt: skip
+
+
+def _build(level: str, lowp: str) -> dict[str, Any]:
     ops = passthrough_op_rules(lowp)
     modules: tuple[ModuleRule, ...]
     if level == "O0":  # nothing runs in low precision, so nothing needs banning either
         ops = passthrough_op_rules(FLOAT32)
-        return Policy(FLOAT32, FLOAT32, FLOAT32, None, FLOAT32, NoScale(), ops, ())
+        return _fields(FLOAT32, FLOAT32, FLOAT32, None, FLOAT32, NoScale(), ops, ())
     if level == "O1":
         param, output, master, modules = FLOAT32, FLOAT32, None, (_BATCHNORM,)
         ops = default_op_rules(lowp)
@@ -179,22 +239,18 @@ def _build(level: str, lowp: str) -> Policy:
         param, output, master, modules = lowp, lowp, None, ()
     reduce = lowp if level == "O3" else FLOAT32
     scale = default_loss_scale(lowp, param, master)
-    return Policy(param, lowp, output, master, reduce, scale, ops, modules)
+    return _fields(param, lowp, output, master, reduce, scale, ops, modules)
 
 
 @functools.cache
-def _builtin(name: str) -> Policy:
-    canonical = ALIASES.get(name, name)
+def _preset_fields(canonical: str) -> dict[str, Any]:
     if canonical in _STRATEGY_PRESETS:
-        strategy = _STRATEGY_PRESETS[canonical]
-        policy = dataclasses.replace(_build("O3", BFLOAT16), master=strategy)
-    elif canonical == "auto":
+        return {**_build("O3", BFLOAT16), "master": _STRATEGY_PRESETS[canonical]}
+    if canonical == "auto":
         # O1's float16 lists: the conservative ones until the device picks the dtype
-        policy = dataclasses.replace(_build("O1", FLOAT16), compute="auto", loss_scale=NoScale())
-    else:
-        level, _, suffix = canonical.partition("-")
-        policy = _build(level, BFLOAT16 if suffix else FLOAT16)
-    return dataclasses.replace(policy, name=name)
+        return {**_build("O1", FLOAT16), "compute": "auto", "loss_scale": NoScale()}
+    level, _, suffix = canonical.partition("-")
+    return _build(level, BFLOAT16 if suffix else FLOAT16)
 
 
 def builtin_preset_names() -> list[str]:
@@ -202,18 +258,58 @@ def builtin_preset_names() -> list[str]:
     return [*BUILTIN_PRESETS, *ALIASES]
 
 
-def builtin_preset(name: str) -> Policy | None:
-    """The built-in preset or alias called ``name`` (any case), or None."""
-    builtin = _BY_LOWER.get(name.strip().lower())
-    return None if builtin is None else _builtin(builtin)
+def builtin_preset_name(name: str) -> str | None:
+    """``name`` as the catalog spells it (any case in, ``"O2-bf16"`` out), or None when it
+    is no built-in preset or alias."""
+    return _BY_LOWER.get(name.strip().lower())
 
 
-def preset_name_of(policy: Policy) -> str | None:
+def preset_fields(name: str) -> dict[str, Any]:
+    """The policy fields of the built-in preset or alias ``name`` (spelled as the catalog
+    does: see :func:`builtin_preset_name`), ``name`` itself left out.
+
+    :raises KeyError: ``name`` is not a built-in preset or alias.
+    """
+    return dict(_preset_fields(ALIASES.get(name, name)))
+
+
+def _made_like(policy: P, fields: Mapping[str, Any], name: str | None) -> P:
+    """A policy of ``policy``'s class with exactly ``fields`` (the others at their defaults)."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(policy):
+        if not f.init:
+            continue
+        if f.name in fields:
+            values[f.name] = fields[f.name]
+        elif f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+    values["name"] = name
+    return dataclasses.replace(policy, **values)
+
+
+_LIKE: dict[tuple[type, str], Any] = {}
+
+
+def preset_like(policy: P, name: str) -> P:
+    """The built-in preset ``name`` (catalog spelling) as a policy of ``policy``'s class.
+
+    Cached per class and name: a race may build one twice, never a different one.
+    """
+    key = (type(policy), name)
+    found = _LIKE.get(key)
+    if found is None:
+        found = _LIKE[key] = _made_like(policy, preset_fields(name), name)
+    return found  # type: ignore[no-any-return]
+
+
+def preset_name_of(policy: PolicyFields) -> str | None:
     """The built-in preset equal to ``policy`` (its own name first), or None."""
     own = _BY_LOWER.get((policy.name or "").lower())
-    if own is not None and _builtin(own) == policy:
+    if own is not None and preset_like(policy, own) == policy:
         return own
-    return next((name for name in BUILTIN_PRESETS if _builtin(name) == policy), None)
+    return next((name for name in BUILTIN_PRESETS if preset_like(policy, name) == policy), None)
 
 
 def _overrides(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -233,7 +329,7 @@ def _overrides(given: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _follow_compute(base: Policy, compute: object) -> dict[str, Any]:
+def _follow_compute(base: PolicyFields, compute: object) -> dict[str, Any]:
     """The fields a change of compute dtype sets (see the module docstring)."""
     new = "auto" if str(compute).lower() == "auto" else canonical_dtype(compute)
     old = base.compute
@@ -250,8 +346,12 @@ def _follow_compute(base: Policy, compute: object) -> dict[str, Any]:
     return changed
 
 
-def derive(base: Policy, overrides: Mapping[str, Any]) -> Policy:
-    """``base`` with role fields replaced, re-deriving defaults as the module docstring says."""
+def derive(base: P, overrides: Mapping[str, Any]) -> P:
+    """``base`` with role fields replaced, re-deriving defaults as the module docstring says.
+
+    A ``loss_scale`` override is a loss-scale object here; :func:`mixprec.get_policy` and
+    the mappings read every other form through :func:`mixprec.forms.parsed_roles`.
+    """
     given = _overrides(overrides)
     if not given:
         return base
@@ -264,15 +364,16 @@ def derive(base: Policy, overrides: Mapping[str, Any]) -> Policy:
         if role in given
     )
     if "loss_scale" in given:
-        return Policy(**{**fields, "loss_scale": loss_scale_from_value(given["loss_scale"])})
-    policy = Policy(**fields)
+        fields["loss_scale"] = given["loss_scale"]
+        return dataclasses.replace(base, **fields, name=None)
+    policy = dataclasses.replace(base, **fields, name=None)
     if base.loss_scale != default_loss_scale(base.compute, base.param, base.master):
         return policy  # a loss scale someone chose: keep it
     scale = default_loss_scale(policy.compute, policy.param, policy.master)
     return policy if scale == policy.loss_scale else dataclasses.replace(policy, loss_scale=scale)
 
 
-def resolve_auto(policy: Policy, preferred_lowp: str | None) -> Policy:
+def resolve_auto(policy: P, preferred_lowp: str | None) -> P:
     """Turn an ``auto`` policy into a concrete one for a device.
 
     :param preferred_lowp: the low-precision dtype the device runs fast (from
@@ -290,7 +391,7 @@ def resolve_auto(policy: Policy, preferred_lowp: str | None) -> Policy:
             MixprecWarning,
             stacklevel=2,
         )
-        return _builtin("O0")
+        return preset_like(policy, "O0")
     lowp = canonical_dtype(preferred_lowp)
     if not is_low_precision(lowp):
         raise PolicyError(
@@ -300,68 +401,3 @@ def resolve_auto(policy: Policy, preferred_lowp: str | None) -> Policy:
     resolved = derive(policy, {"compute": lowp})
     name = preset_name_of(resolved)
     return dataclasses.replace(resolved, name=name) if name else resolved
-
-
-# ---------------------------------------------------------------- the short text form
-
-
-def _op_items(start: OpRules, goal: OpRules) -> list[str]:
-    # A list that lost an op to no list at all must be set exactly ("fp32=..."); any other
-    # change is a move ("fp32+=..."). Exact sets go first: a later move only takes ops the
-    # goal puts elsewhere, so it never undoes them.
-    exact, moves = [], []
-    for name in LIST_NAMES:
-        have, want = getattr(start, name), getattr(goal, name)
-        if any(goal.list_of(op) is None for op in have - want):
-            exact.append(f"{name}={'|'.join(sorted(want))}")
-        elif want - have:
-            moves.append(f"{name}+={'|'.join(sorted(want - have))}")
-    return exact + moves
-
-
-def _module_items(start: tuple[ModuleRule, ...], goal: tuple[ModuleRule, ...]) -> list[str]:
-    rules, items = start, []
-    for rule in goal:
-        if rule not in rules:
-            rules = with_rule(rules, rule)
-            items.append(str(rule))
-    if rules == goal:
-        return items
-    return ["modules=none", *(str(rule) for rule in goal)]
-
-
-def _format_from(policy: Policy, base_name: str) -> str:
-    base = _builtin(base_name)
-    over: dict[str, Any] = {}
-    if policy.compute != base.compute:
-        over["compute"] = policy.compute
-    start = derive(base, over)
-    for role in ("param", "output", "master", "reduce", "state"):
-        if getattr(policy, role) != getattr(start, role):
-            over[role] = getattr(policy, role)
-    start = derive(base, over)
-    if policy.loss_scale != start.loss_scale:
-        over["loss_scale"] = policy.loss_scale
-        start = derive(base, over)
-    items = [f"base={base_name}"]
-    for key, value in over.items():
-        if key == "loss_scale":
-            value = format_loss_scale(value)
-        items.append(f"{key}={'none' if value is None else value}")
-    items += _op_items(start.ops, policy.ops)
-    items += _module_items(start.modules, policy.modules)
-    return ",".join(items)
-
-
-def format_policy(policy: Policy) -> str:
-    """The preset name if ``policy`` equals a built-in one, else the shortest key-grammar spec."""
-    name = preset_name_of(policy)
-    if name is not None:
-        return name
-    specs = []
-    for base in BUILTIN_PRESETS:
-        try:
-            specs.append(_format_from(policy, base))
-        except PolicyError:  # a compute change on this base alone is contradictory (O2 to
-            continue  # float32: a pointless master); O0 always works as a base
-    return min(specs, key=len)

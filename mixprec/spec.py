@@ -24,7 +24,7 @@ Items apply in three phases, whatever order they are written in:
 
 Module rule values and loss scales are described in :mod:`mixprec.grammar`.
 ``str(policy)`` writes the preset name when the policy equals a built-in preset, else the
-shortest spec relative to a built-in base (:func:`mixprec.presets.format_policy`);
+shortest spec relative to a built-in base (:func:`mixprec.forms.format_policy`);
 ``get_policy(str(p)) == p`` always.
 
 Mappings (and so TOML files) use the keys of :func:`policy_from_mapping`.
@@ -41,17 +41,12 @@ from typing import Any
 
 from mixprec.backend import Capabilities
 from mixprec.errors import PolicyError
-from mixprec.grammar import parse_module_rule, split_items, split_ops, toml_dumps
+from mixprec.forms import ROLE_KEYS, format_policy, parsed_roles
+from mixprec.forms import policy_from_mapping as _from_mapping
+from mixprec.grammar import parse_module_rule, split_items, split_ops
 from mixprec.plugins import plugin_presets, policy_resolved
-from mixprec.policy import ModuleRule, Policy
-from mixprec.presets import (
-    ROLE_FIELDS,
-    builtin_preset,
-    builtin_preset_names,
-    derive,
-    format_policy,
-    resolve_auto,
-)
+from mixprec.policy import ModuleRule, Policy, builtin_preset
+from mixprec.presets import ROLE_FIELDS, builtin_preset_names, derive, resolve_auto
 from mixprec.rules import LIST_NAMES, list_name, with_rule
 
 __all__ = [
@@ -72,10 +67,9 @@ __all__ = [
 PolicySpec = str | os.PathLike[str] | Policy | Mapping[str, Any] | None
 """Everything :func:`get_policy` accepts."""
 
-_ROLE_KEYS = ("params", *ROLE_FIELDS)
 _KEYS = (
     "base",
-    *_ROLE_KEYS,
+    *ROLE_KEYS,
     *LIST_NAMES,
     *(f"{n}+" for n in LIST_NAMES),
     "modules",
@@ -111,7 +105,7 @@ def parse_spec(text: str) -> Policy:
                 f"item {item!r} of policy spec {text!r} is not key=value; only the first item "
                 "may be a bare preset name"
             )
-        if key == "base" or key in _ROLE_KEYS:
+        if key == "base" or key in ROLE_KEYS:
             if key in roles or (key == "base" and base is not None):
                 raise PolicyError(f"key {key!r} is given twice in policy spec {text!r}")
             if key == "base":
@@ -135,7 +129,7 @@ def parse_spec(text: str) -> Policy:
             raise _unknown_key(key, text)
     if "param" in roles and "params" in roles:
         raise PolicyError(f"give 'param' or 'params' in policy spec {text!r}, not both")
-    policy = derive(preset(base or "auto"), roles)
+    policy = derive(preset(base or "auto"), parsed_roles(roles))
     ops = policy.ops
     for move, lst, names in op_edits:
         ops = ops.edited(**{lst: names}) if move else ops.replaced(**{lst: names})
@@ -146,81 +140,17 @@ def parse_spec(text: str) -> Policy:
 
 
 def policy_to_toml(policy: Policy) -> str:
-    """A complete TOML document for ``policy`` (:func:`mixprec.load_toml` reads it back)."""
-    data = policy.to_dict()
-    data["master"] = data["master"] or "none"  # TOML has no null
-    data["state"] = data["state"] or "none"
-    data["modules"] = [
-        {key: value for key, value in rule.items() if value not in (None, {})}
-        for rule in data["modules"]
-    ]
-    header = f"mixprec policy {str(policy)!r}\nread it back with mixprec.load_toml(path)"
-    return toml_dumps(data, header=header)
+    """A complete TOML document for ``policy``: :meth:`Policy.to_toml`."""
+    return policy.to_toml()
 
 
 # ---------------------------------------------------------------------- mappings and TOML
 
-_MAPPING_KEYS = (
-    "base",
-    "name",
-    *_ROLE_KEYS,
-    "ops",
-    "move_ops",
-    "modules",
-    "add_modules",
-)
-
-
-def _rule_from_mapping(d: Any) -> ModuleRule:
-    if isinstance(d, ModuleRule):
-        return d
-    if isinstance(d, str):  # "class:*BatchNorm*=float32"
-        key, _, value = d.partition("=")
-        return parse_module_rule(key, value)
-    if not isinstance(d, Mapping) or set(d) - {"match", "pattern", "dtype", "ops"}:
-        raise PolicyError(
-            f"bad module rule {d!r}; give a table with keys match ('class' or 'path'), "
-            "pattern, dtype and/or ops (a table of op = list)"
-        )
-    dtype = d.get("dtype")
-    dtype = None if dtype is None or str(dtype).lower() == "none" else dtype
-    return ModuleRule(d.get("match", "class"), d.get("pattern", ""), dtype, d.get("ops") or ())
-
-
-def _lists(d: Any, key: str) -> dict[str, Any]:
-    if not isinstance(d, Mapping):
-        raise PolicyError(f"{key!r} must map op lists to op names, e.g. {{'fp32': ['softmax']}}")
-    return dict(d)
-
 
 def policy_from_mapping(d: Mapping[str, Any]) -> Policy:
-    """A policy from a mapping (the :meth:`Policy.to_dict` form, or a partial one).
-
-    Keys: ``base`` (a preset to start from; ``"auto"`` if absent), ``name`` (display only),
-    the role fields, ``ops`` (lists set exactly: ``{"fp32": ["softmax"]}`` makes the fp32
-    list just softmax), ``move_ops`` (ops moved into lists, like :meth:`Policy.with_ops`),
-    ``modules`` (the complete list of module rules) and ``add_modules`` (rules added to the
-    base's, or replacing the base's rule for the same pattern).
-    """
-    unknown = sorted(set(d) - set(_MAPPING_KEYS))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], _MAPPING_KEYS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise PolicyError(
-            f"unknown policy keys {unknown}.{hint} Valid keys: {', '.join(_MAPPING_KEYS)}"
-        )
-    policy = derive(preset(d.get("base", "auto")), {k: d[k] for k in _ROLE_KEYS if k in d})
-    ops = policy.ops
-    if "ops" in d:
-        ops = ops.replaced(**_lists(d["ops"], "ops"))
-    if "move_ops" in d:
-        ops = ops.edited(**_lists(d["move_ops"], "move_ops"))
-    modules = policy.modules
-    if "modules" in d:
-        modules = tuple(_rule_from_mapping(rule) for rule in d["modules"])
-    for rule in d.get("add_modules", ()):
-        modules = with_rule(modules, _rule_from_mapping(rule))
-    return dataclasses.replace(policy, ops=ops, modules=modules, name=d.get("name"))
+    """A policy from a mapping: the :meth:`Policy.to_dict` form, or a partial one on a
+    ``base`` preset, built-in or a plugin's (keys: :func:`mixprec.forms.policy_from_mapping`)."""
+    return _from_mapping(d, preset)
 
 
 def read_toml(path_or_text: str | os.PathLike[str]) -> Policy:
@@ -318,7 +248,7 @@ def get_policy(spec: PolicySpec = "auto", **overrides: Any) -> Policy:
         policy = preset(spec)
     else:
         policy = policy_from_spec(spec)
-    return derive(policy, overrides) if overrides else policy
+    return derive(policy, parsed_roles(overrides)) if overrides else policy
 
 
 def load_toml(path_or_text: str | os.PathLike[str]) -> Policy:

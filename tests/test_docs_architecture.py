@@ -47,6 +47,7 @@ def test_every_core_file_has_exactly_one_row() -> None:
 def test_floors_match_the_import_linter_contract() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     (contract,) = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    assert not contract.get("ignore_imports"), "the floors admit no exception (issue 24)"
     layers = contract["layers"]  # top floor first
     from_contract = {
         module.strip(): len(layers) - index
@@ -55,4 +56,4 @@ def test_floors_match_the_import_linter_contract() -> None:
     }
     from_doc = {_module(name): floor for floor, name in _table() if name != "__init__.py"}
     assert from_doc == from_contract
-    assert max(from_doc.values()) <= 9  # issue 9: the core has at most nine floors
+    assert max(from_doc.values()) <= 10  # issue 9: nine floors; issue 24: the catalog below policy

@@ -1,5 +1,6 @@
 """docs/errors.md, the misuse catalogue, cannot drift: every test it names exists, every error
-class it names is in mixprec.errors, and it keeps at least 60 cases."""
+class it names is in mixprec.errors, every quoted message is readable text that the named
+test checks, and it keeps at least 60 cases."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import mixprec.errors
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
 ROW = re.compile(r"^\| .+ \| `(\w+)` \| .+ \| `([\w/.-]+\.py)::(\w+)` \|$", re.MULTILINE)
+MESSAGE = re.compile(r"^\| .+ \| `\w+` \| `(.+)` \| `([\w/.-]+\.py)::\w+` \|$", re.MULTILINE)
 
 
 def _rows() -> list[tuple[str, str, str]]:
@@ -51,3 +53,19 @@ def test_every_named_error_class_is_a_mixprec_error() -> None:
 def test_the_catalogue_links_the_thread_safety_contract() -> None:
     assert "architecture.md#threads" in DOC.read_text(encoding="utf-8")
     assert "\n### Threads\n" in (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+
+
+def test_messages_are_readable_and_checked_by_their_test() -> None:
+    """The message column quotes words, not a test's regular expression, and the named test
+    file checks those words (its regexes read with their backslashes dropped)."""
+    rows = MESSAGE.findall(DOC.read_text(encoding="utf-8"))
+    assert len(rows) >= 60
+    unchecked = []
+    for message, path in rows:
+        assert not re.search(r"\\.|\.\*|\.\+", message), f"a regular expression: {message!r}"
+        source = (ROOT / path).read_text(encoding="utf-8").replace("\\", "")
+        words = re.findall(r"[\w.=:()\[\]/-]+", message.replace("…", " ").replace(" or ", " "))
+        missing = [word for word in words if word not in source]
+        if missing:
+            unchecked.append(f"{path}: {message!r} ({missing} not in the test file)")
+    assert not unchecked, "\n".join(unchecked)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import mixprec
-from mixprec import cli, dtypes, ops, presets, spec
+from mixprec import cli, dtypes, forms, ops, presets, spec
 from mixprec.grammar import format_loss_scale
 from mixprec.loss_scale import DynamicScale
 from mixprec.rules import LIST_NAMES
@@ -65,17 +65,18 @@ def _num(x: float) -> str:
 
 
 def _formats() -> str:
+    # one bits column (exponent + mantissa): the table fits the page without a scroll
     rows = [
-        "| dtype | aliases | bits | exponent bits | mantissa bits | max | smallest normal "
+        "| dtype | aliases | bits (exponent + mantissa) | max | smallest normal "
         "| smallest subnormal | eps |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in (*dtypes.POLICY_DTYPES, dtypes.FLOAT64):
         info = mixprec.format_info(name)
         aliases = sorted(a for a, target in dtypes._ALIASES.items() if target == name)
         rows.append(
-            f"| `{name}` | {', '.join(f'`{a}`' for a in aliases) or '—'} | {info.bits} "
-            f"| {info.exponent_bits} | {info.mantissa_bits} | {_num(info.max)} "
+            f"| `{name}` | {', '.join(f'`{a}`' for a in aliases) or '—'} "
+            f"| {info.bits} ({info.exponent_bits} + {info.mantissa_bits}) | {_num(info.max)} "
             f"| {_num(info.smallest_normal)} | {_num(info.smallest_subnormal)} | {_num(info.eps)} |"
         )
     return "\n".join(rows) + "\n"
@@ -92,21 +93,23 @@ def _op_lists_cell(policy: mixprec.Policy) -> str:
 
 
 def _presets() -> str:
-    rows = [
-        "| preset | aliases | param | compute | output | master | reduce | loss scale "
-        "| op lists | module rules |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    """Two tables, the dtype roles, then loss scale and rules: one would not fit the page."""
+    roles = [
+        "| preset | aliases | param | compute | output | master | reduce |",
+        "|---|---|---|---|---|---|---|",
     ]
+    rules = ["| preset | loss scale | op lists | module rules |", "|---|---|---|---|"]
     for name in presets.BUILTIN_PRESETS:
         p = mixprec.get_policy(name)
         aliases = ", ".join(f"`{a}`" for a, target in presets.ALIASES.items() if target == name)
-        rules = ", ".join(f"`{rule}`" for rule in p.modules) or "—"
+        module_rules = ", ".join(f"`{rule}`" for rule in p.modules) or "—"
         scale = format_loss_scale(p.loss_scale)
-        rows.append(
+        roles.append(
             f"| `{name}` | {aliases or '—'} | {p.param} | {p.compute} | {p.output} "
-            f"| {p.master or '—'} | {p.reduce} | `{scale}` | {_op_lists_cell(p)} | {rules} |"
+            f"| {p.master or '—'} | {p.reduce} |"
         )
-    return "\n".join(rows) + "\n"
+        rules.append(f"| `{name}` | `{scale}` | {_op_lists_cell(p)} | {module_rules} |")
+    return "\n".join(roles) + "\n\n" + "\n".join(rules) + "\n"
 
 
 def _op_defaults() -> str:
@@ -176,9 +179,11 @@ def test_format_table_numbers_are_the_format_facts() -> None:
     for cells in rows:
         info = mixprec.format_info(cells[0].strip("`"))
         facts = (info.max, info.smallest_normal, info.smallest_subnormal, info.eps)
-        for cell, real in zip(cells[5:], facts, strict=True):
+        for cell, real in zip(cells[3:], facts, strict=True):
             shown = float(cell.split("(")[-1].rstrip(")"))
             assert math.isclose(shown, real, rel_tol=5e-3), (cells[0], cell, real)
+        bits = (info.bits, info.exponent_bits, info.mantissa_bits)
+        assert cells[2] == "{} ({} + {})".format(*bits), (cells[0], cells[2])
         for alias in re.findall(r"`([\w.]+)`", cells[1]):
             assert mixprec.canonical_dtype(alias) == info.name
 
@@ -219,7 +224,7 @@ def _first_column_keys(heading: str) -> set[str]:
 def test_documented_keys_are_the_real_keys() -> None:
     assert _first_column_keys("## Dtype roles") == set(presets.ROLE_FIELDS)
     assert _first_column_keys("### Keys") == set(spec._KEYS)
-    assert _first_column_keys("### Mapping keys") == set(spec._MAPPING_KEYS)
+    assert _first_column_keys("### Mapping keys") == set(forms.MAPPING_KEYS)
     assert _first_column_keys("### Op lists") == set(LIST_NAMES)
 
 
@@ -243,12 +248,21 @@ def test_toml_example_loads_and_round_trips() -> None:
     assert policy != mixprec.get_policy("O2")  # the file really changes its base
 
 
+def error_of(call: Callable[[], object]) -> str:
+    """The message of the MixprecError that ``call()`` raises (the page's examples use it)."""
+    try:
+        call()
+    except mixprec.MixprecError as err:
+        return str(err)
+    raise AssertionError("no error was raised")
+
+
 def test_python_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = PYTHON.findall(_doc())
     assert len(blocks) >= 8, "the doc should show its API with runnable examples"
     assert sum(block.count("assert ") for block in blocks) >= 30, "examples must check results"
     monkeypatch.chdir(ROOT)  # examples name files relative to the repository root
-    namespace: dict[str, object] = {"__name__": "docs_policies"}
+    namespace: dict[str, object] = {"__name__": "docs_policies", "error_of": error_of}
     for number, block in enumerate(blocks, 1):
         try:
             exec(compile(block, f"docs/policies.md python block {number}", "exec"), namespace)

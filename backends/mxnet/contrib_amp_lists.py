@@ -261,4 +261,6 @@ def list_lp16_use_fp32_params(target_dtype: Any = None) -> dict[str, list[str]] 
 
 #: MXNet 1.5's names for the same lists.
 list_fp16_ops = list_lp16_ops
+"""MXNet's older name of :func:`list_lp16_ops` (the same function)."""
 list_fp16_fp32_ops = list_lp16_fp32_ops
+"""MXNet's older name of :func:`list_lp16_fp32_ops` (the same function)."""

@@ -7,10 +7,13 @@ import sys
 
 import pytest
 
+import mixprec
 from mixprec import plugins
-from mixprec.cli import main
+from mixprec.cli import build_parser, main
+from mixprec.cli_format import cli_messages
+from mixprec.errors import MixprecWarning
 from mixprec.presets import DTYPE_ROLES, builtin_preset_names
-from mixprec.spec import get_policy
+from mixprec.spec import get_policy, preset_names
 
 
 def test_policies_prints_every_preset_with_roles_and_lists(
@@ -18,8 +21,10 @@ def test_policies_prints_every_preset_with_roles_and_lists(
 ) -> None:
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
-    blocks = {block.split("\n", 1)[0]: block for block in out.split("\n\n")}
-    assert list(blocks) == builtin_preset_names()
+    blocks = {block.split()[0]: block for block in out.split("\n\n")}
+    assert list(blocks) == preset_names()  # every name get_policy accepts, in its order
+    for name in set(preset_names()) - set(builtin_preset_names()):  # torch-autocast*
+        assert blocks[name].startswith(f"{name}  (from the torch plugin)\n"), blocks[name]
     for name, block in blocks.items():
         policy = get_policy(name)
         roles = ", ".join(f"{r}={getattr(policy, r) or '-'}" for r in DTYPE_ROLES)
@@ -80,3 +85,100 @@ def test_backends_reports_versions_and_capabilities() -> None:
     assert f"torch {torch.__version__.split('+')[0]}" in out
     assert f"mxnet {mxnet.__version__}" in out
     assert "cpu: float32" in out and "bfloat16" in out
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run ``mixprec argv``, which must fail with exit status 2 and one line on stderr."""
+    try:
+        status = main(argv)
+    except SystemExit as exit_:  # argparse's own mistakes leave through exit()
+        status = exit_.code
+    captured = capsys.readouterr()
+    assert status == 2, captured
+    assert captured.err.startswith("mixprec: error: "), captured.err
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["explain", "O1", "softmax", "--inputs", "flaot16"], "Did you mean 'float16'"),
+        (["explain", "O1", "softmax", "--inputs", "float16,"], "empty dtype"),
+        (["advise", "examples.advise_demo:torch_digits", "--steps", "0"], "at least 1, got '0'"),
+        (["advise", "examples.advise_demo:torch_digits", "--steps", "many"], "at least 1"),
+        (["advise", "json:dumps"], "json:dumps() raised TypeError"),
+        (["advise", "json"], "expected module:factory"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["explain", "O1"], "the following arguments are required: op"),
+        (["policies", "O9"], "unknown policy preset 'O9'"),
+    ],
+)
+def test_argument_mistakes_are_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    err = _one_line_error(capsys, argv)
+    assert says in err
+    assert "steps=" not in err  # CLI messages speak CLI, not Python keyword arguments
+
+
+def test_explain_takes_integer_inputs_and_canonical_spellings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["explain", "O1", "add", "--inputs", "fp16,int64,torch.float32"]) == 0
+    out = capsys.readouterr().out
+    assert "(inputs float16, int64, float32)" in out
+    assert "Result: float32" in out  # promote: the widest floating input
+
+
+def test_bare_mixprec_prints_help_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mixprec")
+    for command in ("policies", "explain", "backends", "advise"):
+        assert f"\n  mixprec {command} " in out  # one example each
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"mixprec {mixprec.__version__}\n"
+
+
+def test_every_command_help_shows_an_example() -> None:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    assert set(sub.choices) >= {"policies", "explain", "backends", "advise"}
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        assert f"examples:\n  mixprec {name}" in text, text
+
+
+def test_python_dash_m_mixprec_is_the_command() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec", "explain", "O1", "softmax", "--inputs", "flaot16"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("mixprec: error: argument --inputs: unknown dtype 'flaot16'")
+    version = subprocess.run(
+        [sys.executable, "-m", "mixprec", "--version"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert version.stdout.strip() == f"mixprec {mixprec.__version__}"
+
+
+def test_warnings_print_as_one_mixprec_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # pytest turns warnings into errors; a shell does not
+        with cli_messages():
+            warnings.warn("bfloat16 is slow here", MixprecWarning, stacklevel=1)
+            warnings.warn("a library's note", UserWarning, stacklevel=1)
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "mixprec: warning: bfloat16 is slow here",
+        "mixprec: warning: UserWarning: a library's note",
+    ]

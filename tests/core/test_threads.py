@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from mixprec import plugins, presets
+from mixprec import plugins
+from mixprec.policy import builtin_preset
 
 T = TypeVar("T")
 THREADS = 8
@@ -112,7 +113,7 @@ def test_concurrent_registration_loses_no_plugin() -> None:
 
 
 def test_concurrent_policy_lookups_agree() -> None:
-    policies = race(lambda: presets.builtin_preset("O2-bf16"))
+    policies = race(lambda: builtin_preset("O2-bf16"))
     assert all(policy == policies[0] for policy in policies)
     decisions = race(lambda: policies[0].decide("softmax", ["bfloat16"]))  # the decide cache
     assert {d.dtype for d in decisions} == {"bfloat16"}

@@ -1,0 +1,118 @@
+"""How the ``mixprec`` command talks: one line per error or warning, on stderr.
+
+- an argument mistake (argparse's own, or one of the argument types below):
+  ``mixprec: error: argument --steps: must be a whole number of at least 1, got '0' (see
+  'mixprec advise --help')``, exit status 2, no usage dump;
+- a refused input (any :class:`~mixprec.errors.MixprecError` a command raises):
+  ``mixprec: error: <message>``, exit status 2, no traceback;
+- a warning: ``mixprec: warning: <message>`` (other libraries' warnings keep their class
+  name: ``mixprec: warning: UserWarning: ...``), instead of Python's ``file:line`` and
+  source-line format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TextIO
+
+from mixprec.dtypes import canonical_dtype
+from mixprec.errors import MixprecError, MixprecWarning, PolicyError
+
+__all__ = ["NON_FLOATING", "CliParser", "cli_messages", "dtype_list", "positive_int"]
+
+PROG = "mixprec"
+
+#: dtype names an op's inputs may have that take no part in its decision.
+NON_FLOATING = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+)
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose mistakes are one line, and whose help keeps its layout
+    (the examples of each command's epilog)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``mixprec: error: <message> (see '<prog> --help')`` and exit with 2."""
+        self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+
+
+def dtype_list(text: str) -> list[str]:
+    """``--inputs``: comma-separated dtypes, floating ones in their canonical spelling.
+
+    :raises argparse.ArgumentTypeError: an empty item, or a name that is neither a dtype
+        mixprec knows nor an integer/bool dtype (the message has the close matches).
+    """
+    names = []
+    for item in text.split(","):
+        name = item.strip()
+        if not name:
+            raise argparse.ArgumentTypeError(
+                f"empty dtype in {text!r}; write them comma-separated, e.g. float16,float32"
+            )
+        if name.lower().rpartition(".")[2] in NON_FLOATING:
+            names.append(name)
+            continue
+        try:
+            names.append(canonical_dtype(name))
+        except PolicyError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{exc}. Integer and bool inputs ({', '.join(sorted(NON_FLOATING))}) are "
+                "accepted too and take no part"
+            ) from None
+    return names
+
+
+def positive_int(text: str) -> int:
+    """A count such as ``--steps``: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    kind = "" if issubclass(category, MixprecWarning) else f"{category.__name__}: "
+    print(f"{PROG}: warning: {kind}{message}", file=file or sys.stderr)
+
+
+@contextlib.contextmanager
+def cli_messages() -> Iterator[Callable[[Callable[[], int]], int]]:
+    """Inside: warnings print as ``mixprec: warning: ...``. Yields ``report(run)``, which
+    calls ``run()`` and turns a :class:`MixprecError` into ``mixprec: error: ...`` and 2
+    (and output piped into a command that stopped reading, ``mixprec policies | head``,
+    into a quiet exit)."""
+
+    def report(run: Callable[[], int]) -> int:
+        try:
+            return run()
+        except MixprecError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:
+            # what is left in stdout's buffer would fail again at exit: point it at devnull
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        yield report
