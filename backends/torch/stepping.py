@@ -56,7 +56,7 @@ from mixprec.step import Stage
 from . import native
 from .diagnostics import record_overflows
 from .distributed import all_reduce_found_inf, is_distributed
-from .grad_check import native_unscale
+from .grad_check import GuardPlan, native_unscale
 from .model_edits import (
     cast_grads_into,
     grad_buffers,
@@ -155,14 +155,17 @@ def unscale(
         inv = 1.0 / (scale if scale is not None else scaler.scale) if scaled_now else None
         comp = st.group.compensation
         cast = for_user or scaled_now or comp is None or not comp.fusable(optimizer)
-        copies(st, optimizer)
+        key = copies(st, optimizer)
+        plan = st.guard_plan
+        if plan is None or plan.key is not key:
+            plan = st.guard_plan = GuardPlan(key, optimizer, st.model_of)
 
         def buffers(
             grads: list[torch.Tensor | None], masters: list[torch.Tensor]
         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             return grad_buffers(grads, masters, st.spare_grads)
 
-        flags = native_unscale(lib, optimizer, st.model_of, inv, cast, buffers)
+        flags = native_unscale(lib, plan, inv, cast, buffers) if plan.usable else None
         if flags is not None:
             st.grads_cast = cast
             st.found_inf = flags
