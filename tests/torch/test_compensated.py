@@ -297,3 +297,24 @@ def test_clipping_after_unscale_is_honoured(
     opt.step()
     moved = float((model.state_dict()["weight"] - before).abs().max())
     assert moved < 1e-5  # the clipped update: lr 0.05 times a gradient norm of 1e-6
+
+
+def test_an_optimizer_state_from_the_generator_era_is_refused() -> None:
+    """Earlier versions kept ``torch.Generator`` states; the counter-based noise cannot
+    continue them: refused before anything is loaded, naming what to do."""
+    model = tanh_net()
+    model, opt = mixprec.torch.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="O3-bf16-sr"
+    )
+    train_tanh(model, opt, 2)
+    sd = opt.state_dict()
+    kept = sd["mixprec"]["compensation"]
+    kept["generators"] = [torch.Generator().get_state()]
+    del kept["noise"]
+    before = opt.state_dict()
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match="earlier mixprec.*counter-based"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    after = opt.state_dict()
+    assert after["mixprec"]["compensation"]["noise"] == before["mixprec"]["compensation"]["noise"]
