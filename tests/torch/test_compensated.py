@@ -313,7 +313,7 @@ def test_an_optimizer_state_from_the_generator_era_is_refused() -> None:
     del kept["noise"]
     before = opt.state_dict()
     weights = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(CheckpointError, match="earlier mixprec.*counter-based"):
+    with pytest.raises(CheckpointError, match=r"earlier mixprec.*counter-based"):
         opt.load_state_dict(sd)
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
     after = opt.state_dict()
