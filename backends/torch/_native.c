@@ -229,9 +229,50 @@ static void narrow_bf16(uint16_t *restrict dst, float *restrict v, int64_t n) {
     }
 }
 
+/* The float32 cases in one loop each (read only, or written as float32: an in-place unscale),
+ * unscaled or not; a bfloat16 or float16 gradient is widened chunk by chunk instead (a
+ * 16-bit load in this loop does not vectorise). */
+#define GUARD_LOOP(LOAD, SCALED, WRITE)                                        \
+    do {                                                                      \
+        int64_t j = a;                                                        \
+        for (; j + 16 <= b; j += 16)                                          \
+            for (int k = 0; k < 16; k++) {                                    \
+                float v = LOAD(j + k);                                        \
+                if (SCALED) v = v * inv;                                      \
+                if (WRITE) dst[j + k] = v;                                    \
+                acc[k] += v * v;                                              \
+            }                                                                 \
+        for (; j < b; j++) {                                                  \
+            float v = LOAD(j);                                                \
+            if (SCALED) v = v * inv;                                          \
+            if (WRITE) dst[j] = v;                                            \
+            acc[j & 15] += v * v;                                             \
+        }                                                                     \
+    } while (0)
+
+#define LOAD_F32(i) (fsrc[i])
+
+static int guard_simple(const mp_guard_item *it, int64_t a, int64_t b, float inv, int scaled,
+                        float *acc) {
+    if (it->sdt != MP_F32 || (it->dst != NULL && it->ddt != MP_F32)) return 0;
+    const float *fsrc = (const float *)it->src;
+    float *dst = (float *)it->dst; /* may be fsrc itself: same index, read before write */
+    int write = dst != NULL;
+    if (write && scaled)
+        GUARD_LOOP(LOAD_F32, 1, 1);
+    else if (write)
+        GUARD_LOOP(LOAD_F32, 0, 1);
+    else if (scaled)
+        GUARD_LOOP(LOAD_F32, 1, 0);
+    else
+        GUARD_LOOP(LOAD_F32, 0, 0);
+    return 1;
+}
+
 static void guard_piece(const mp_guard_item *it, int64_t a, int64_t b, float inv, int scaled,
                         float *acc) {
     float xs[MP_CHUNK], ys[MP_CHUNK];
+    if (guard_simple(it, a, b, inv, scaled, acc)) return;
     for (int64_t lo = a; lo < b; lo += MP_CHUNK) {
         int64_t n = lo + MP_CHUNK < b ? MP_CHUNK : b - lo;
         const float *v = xs;

@@ -177,12 +177,11 @@ def native_unscale(
     if not sources:
         return []
     src_ptrs = array.array("Q", map(_DATA_PTR, sources))
-    dst_ptrs = (
-        array.array("Q", map(_DATA_PTR, src_plain))
-        if scaled
-        else array.array("Q", bytes(8 * len(src_plain)))
+    # an in-place unscale writes where it reads: the plain sources' addresses again
+    dst_ptrs = src_ptrs[: len(src_plain)] if scaled else array.array("Q", bytes(8 * len(src_plain)))
+    dst_ptrs.extend(
+        array.array("Q", map(_DATA_PTR, dst)) if cast else array.array("Q", bytes(8 * len(present)))
     )
-    dst_ptrs.extend(map(_DATA_PTR, dst) if cast else bytes(8 * len(present)))
     if picked is None:
         starts, sdt, ddt = plan.arrays(cast, scaled, None, None)
     else:

@@ -71,6 +71,7 @@ def _flag_sets() -> tuple[list[str], ...]:
     march = os.environ.get("MIXPREC_NATIVE_MARCH", "native").strip() or "native"
     return ([*_FLAGS, f"-march={march}", "-pthread"], [*_FLAGS, "-pthread"])
 
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
