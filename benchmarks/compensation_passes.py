@@ -45,7 +45,7 @@ def make_sample(policy: str, form: str) -> Callable[[], Mapping[str, float]]:
     """One contender: ``optimizer.step()`` with fixed gradients, timed."""
     torch = setup_torch()
     import mixprec
-    from mixprec_torch import native
+    from mixprec_torch import cpu_kernels
 
     class SubclassedAdamW(torch.optim.AdamW):  # type: ignore[misc,name-defined]
         """AdamW under another class: the generic path."""
@@ -61,17 +61,17 @@ def make_sample(policy: str, form: str) -> Callable[[], Mapping[str, float]]:
     def sample() -> Mapping[str, float]:
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g
-        saved = dict(native._state)
+        saved = dict(cpu_kernels._state)
         if fallback:
-            native._state.clear()
-            native._state.update(off)
+            cpu_kernels._state.clear()
+            cpu_kernels._state.update(off)
         try:
             start = time.perf_counter()
             opt.step()
             elapsed = time.perf_counter() - start
         finally:
-            native._state.clear()
-            native._state.update(saved)
+            cpu_kernels._state.clear()
+            cpu_kernels._state.update(saved)
         return {METRIC: elapsed}
 
     return sample

@@ -20,7 +20,7 @@ bit for bit (torch's kernels fuse some of these operations differently per CPU).
 state keeps torch's format (``step``, ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), so
 checkpoints move between this path, the generic path and an unwrapped optimizer.
 
-Two implementations give the same bits: the native kernel (:func:`mixprec_torch.native.update`,
+Two implementations give the same bits: the native kernel (:func:`mixprec_torch.cpu_kernels.update`,
 one call for all tensors) and :func:`_run_torch`, the same operations as torch calls, used where
 the kernel cannot be built.
 """
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import native
+from . import cpu_kernels
 from .noise import round_stochastic_
 from .optimizer_state import base_class
 from .torch_private import foreach_add_
@@ -181,10 +181,10 @@ def _items(
     return items
 
 
-def _hyper(group: dict[str, Any], algo: int, keys: Sequence[int]) -> native.Hyper:
+def _hyper(group: dict[str, Any], algo: int, keys: Sequence[int]) -> cpu_kernels.Hyper:
     lr = float(group["lr"])
     wd = float(group.get("weight_decay", 0.0))
-    hyper = native.Hyper()
+    hyper = cpu_kernels.Hyper()
     hyper.algo = algo
     hyper.maximize = int(bool(group.get("maximize", False)))
     hyper.lr = lr
@@ -208,8 +208,8 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _run_native(lib: Any, items: list[_Item], hyper: native.Hyper) -> None:
-    codes = native.DTYPE_CODES
+def _run_native(lib: Any, items: list[_Item], hyper: cpu_kernels.Hyper) -> None:
+    codes = cpu_kernels.DTYPE_CODES
     starts = array.array("q", [0])
     for item in items:
         starts.append(starts[-1] + item.grad.numel())
@@ -228,8 +228,8 @@ def _run_native(lib: Any, items: list[_Item], hyper: native.Hyper) -> None:
         "sdt": array.array("i", [int(i.param.bf16_state) for i in items]),
         "first": array.array("i", [int(i.first) for i in items]),
     }
-    fields = native.Items(**{k: v.buffer_info()[0] for k, v in arrays.items()})
-    native.update(lib, len(items), fields, hyper)
+    fields = cpu_kernels.Items(**{k: v.buffer_info()[0] for k, v in arrays.items()})
+    cpu_kernels.update(lib, len(items), fields, hyper)
 
 
 def _store_state(target: torch.Tensor, value: torch.Tensor, key: int, index: int) -> None:
@@ -243,7 +243,7 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def _run_torch(items: list[_Item], hyper: native.Hyper) -> None:
+def _run_torch(items: list[_Item], hyper: cpu_kernels.Hyper) -> None:
     """The kernel's arithmetic with torch operations: the same bits, more passes."""
     lr, wd = _f32(hyper.lr), _f32(hyper.weight_decay)
     for item in items:
@@ -311,7 +311,7 @@ def run(
     :param keys: the noise keys of the weights' pass and the two state slots.
     """
     algo = _ALGOS[base_class(optimizer)]
-    lib = native.library()
+    lib = cpu_kernels.library()
     with torch.no_grad():
         for group in optimizer.param_groups:
             items = _items(optimizer, group, algo, lookup, grad_of)

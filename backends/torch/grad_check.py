@@ -7,7 +7,7 @@ squared global norm beyond float32). With torch operations that is a cast, one f
 unscale-and-check and one norm kernel *per tensor* (``torch._foreach_norm`` runs tensor by
 tensor on the CPU), plus a Python loop sorting the gradients by device and dtype. Where every
 parameter is a CPU tensor and every gradient dense and contiguous, :func:`native_unscale`
-does all of it in one call of the native kernel (:func:`mixprec_torch.native.guard_pass`):
+does all of it in one call of the native kernel (:func:`mixprec_torch.cpu_kernels.guard_pass`):
 one read of each gradient, the unscaled float32 value written where a master gradient or an
 in-place unscale needs it. The values written are the torch path's bit for bit (a cast, then
 one float32 multiply by the inverse scale); the overflow flag is the same test, its sum taken
@@ -27,14 +27,14 @@ from itertools import accumulate
 
 import torch
 
-from . import native
+from . import cpu_kernels
 
 __all__ = ["FLOAT32_MAX", "GuardPlan", "native_unscale"]
 
 #: The largest finite float32: a larger sum of squares is an overflow (:mod:`mixprec.guard`).
 FLOAT32_MAX = 3.4028234663852886e38
 
-_CODES = native.DTYPE_CODES
+_CODES = cpu_kernels.DTYPE_CODES
 _STRIDED = torch.strided
 
 Buffers = Callable[
@@ -187,6 +187,6 @@ def native_unscale(
     else:
         numel = [[*plan.plain_numel, *plan.model_numel][i] for i in picked]
         starts, sdt, ddt = plan.arrays(cast, scaled, picked, numel)
-    total = native.guard_pass(lib, src_ptrs, dst_ptrs, starts, sdt, ddt, inv_scale)
+    total = cpu_kernels.guard_pass(lib, src_ptrs, dst_ptrs, starts, sdt, ddt, inv_scale)
     overflow = not total <= FLOAT32_MAX  # NaN (a NaN gradient) fails the comparison too
     return [torch.ones(1) if overflow else torch.zeros(1)]

@@ -13,16 +13,16 @@ function of where they are used, not a stream that is drawn:
 
 So the noise does not depend on how the work is split (slices, threads, fused or not), and a
 checkpoint needs only the seed and the step counts to resume the same numbers. The native
-kernels (:mod:`mixprec_torch.native`) compute it inside their passes; :func:`noise` and
+kernels (:mod:`mixprec_torch.cpu_kernels`) compute it inside their passes; :func:`noise` and
 :func:`round_stochastic_` here are the same numbers from torch operations, used where the
-kernels are not available (tests/torch/test_native.py checks that they agree bit for bit).
+kernels are not available (tests/torch/test_cpu_kernels.py checks that they agree bit for bit).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import native
+from . import cpu_kernels
 
 __all__ = ["SLICE", "Stream", "flat_slices", "noise", "pass_key", "round_stochastic_"]
 
@@ -95,9 +95,9 @@ def _noise_torch(key: int, index: int, count: int) -> torch.Tensor:
 def noise(key: int, index: int, count: int) -> torch.Tensor:
     """The 16-bit noise (as int32 values in ``[0, 2**16)``) of elements ``index`` to
     ``index + count - 1`` of a pass with ``key``."""
-    lib = native.library()
+    lib = cpu_kernels.library()
     if lib is not None:
-        return native.noise(lib, key, index, count)
+        return cpu_kernels.noise(lib, key, index, count)
     return _noise_torch(key, index, count)
 
 
@@ -108,9 +108,9 @@ def round_stochastic_(work: torch.Tensor, key: int, index: int = 0) -> None:
     the farther one (in magnitude) is chosen with probability equal to the distance from the
     nearer one in units of their spacing. ``index`` is the position of ``work[0]`` in the
     pass."""
-    lib = native.library()
+    lib = cpu_kernels.library()
     if lib is not None and work.device.type == "cpu" and work.is_contiguous():
-        native.round_stochastic(lib, work, key, index)
+        cpu_kernels.round_stochastic(lib, work, key, index)
         return
     flat = work.view(-1)
     for part in flat_slices(flat.numel()):

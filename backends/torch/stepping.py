@@ -53,7 +53,7 @@ import torch
 from mixprec.errors import StepOrderError
 from mixprec.step import Stage
 
-from . import native
+from . import cpu_kernels
 from .diagnostics import record_overflows
 from .distributed import all_reduce_found_inf, is_distributed
 from .grad_check import GuardPlan, native_unscale
@@ -149,7 +149,7 @@ def unscale(
     called ``unscale_`` (``for_user``: the masters' gradients are then there to clip).
     """
     scaler = st.group.scaler
-    lib = native.library() if st.local is None else None
+    lib = cpu_kernels.library() if st.local is None else None
     if lib is not None:
         scaled_now = scale is not None or scaler.enabled
         inv = 1.0 / (scale if scale is not None else scaler.scale) if scaled_now else None

@@ -1,4 +1,4 @@
-"""mixprec's CPU kernels (``_native.c``): compiled on first use, loaded with :mod:`ctypes`.
+"""mixprec's CPU kernels (``_cpu_kernels.c``): compiled on first use, loaded with :mod:`ctypes`.
 
 Three hot paths of a step have no single torch operation on the CPU:
 
@@ -11,7 +11,7 @@ Three hot paths of a step have no single torch operation on the CPU:
   and optimizer state;
 - stochastic rounding with counter-based noise (:func:`round_stochastic`, :func:`noise`).
 
-**Building.** The first call compiles ``_native.c`` (plain C and pthreads, no Python or torch
+**Building.** The first call compiles ``_cpu_kernels.c`` (plain C and pthreads, no Python or torch
 headers: about a second) with the C compiler named by ``$CC`` or found as ``cc``, ``gcc`` or
 ``clang``, for this CPU (``-march=native``), into ``$MIXPREC_CACHE_DIR`` or
 ``$XDG_CACHE_HOME/mixprec`` (``~/.cache/mixprec``), named by a hash of the source, the
@@ -20,7 +20,7 @@ build. The file is written to a temporary name and renamed (several processes ma
 once). ``MIXPREC_NATIVE=0`` switches the kernels off.
 
 **Without a compiler** (or when the build fails, or with ``MIXPREC_NATIVE=0``) every caller
-falls back to torch operations that give the same bits (tests/torch/test_native.py checks the
+falls back to torch operations that give the same bits (tests/torch/test_cpu_kernels.py checks the
 two against each other); only the speed differs. :func:`status` says which is in use and why.
 """
 
@@ -55,7 +55,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("_native.c")
+_SOURCE = Path(__file__).with_name("_cpu_kernels.c")
 _ABI = 3
 #: torch dtype -> the kernels' dtype code
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -303,7 +303,7 @@ def guard_pass(
 
 
 def update(lib: ctypes.CDLL, count: int, items: Items, hyper: Hyper) -> None:
-    """One fused update over ``count`` tensors (see ``mp_update`` in ``_native.c``)."""
+    """One fused update over ``count`` tensors (see ``mp_update`` in ``_cpu_kernels.c``)."""
     lib.mp_update(count, ctypes.byref(items), ctypes.byref(hyper), _threads())
 
 

@@ -1,4 +1,4 @@
-/* mixprec's CPU kernels, loaded with ctypes by mixprec_torch.native (which compiles this file
+/* mixprec's CPU kernels, loaded with ctypes by mixprec_torch.cpu_kernels (which compiles this file
  * with the system's C compiler on first use).
  *
  * - mp_guard: the step guard's one pass over the gradients: optionally unscale them (in place
