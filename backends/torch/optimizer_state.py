@@ -41,8 +41,12 @@ class StepCompensation(Protocol):
     """What the step and the checkpoints ask of a compensated strategy
     (:class:`mixprec_torch.compensation.Compensation`)."""
 
+    def fusable(self, optimizer: torch.optim.Optimizer) -> bool: ...
+    def step_fused(self, optimizer: torch.optim.Optimizer, *, master_grads: bool) -> None: ...
     def fill(self, optimizer: torch.optim.Optimizer) -> None: ...
     def store(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def materialize(self) -> None: ...
+    def assign(self, param: torch.Tensor, value: torch.Tensor) -> bool: ...
     def adopt_state(self, optimizer: torch.optim.Optimizer) -> None: ...
     def best(self, param: torch.Tensor) -> torch.Tensor | None: ...
     def split_loaded(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None: ...
@@ -159,6 +163,11 @@ class OptimizerState:
         """Cache, not a second map: the model params and their separate masters among this
         optimizer's params, as the two lists the fused copies take. Built from
         ``group.masters`` on first use; None again whenever the param groups change."""
+        self.guard_plan: Any = None
+        """The native guard pass's view of this optimizer's tensors
+        (:class:`mixprec_torch.grad_check.GuardPlan`), rebuilt with :attr:`copies`."""
+        self.model_of: dict[int, torch.Tensor] = {}
+        """id(master) -> its model parameter, for the pairs of :attr:`copies` (built with it)."""
         self.found_inf: list[torch.Tensor] = []
         """The device-side overflow flags of the latest unscale (one per device)."""
         self.unchecked = False
@@ -183,6 +192,9 @@ class OptimizerState:
         """The parameters that overflowed, per skipped step (filled only on a skip)."""
         self.models: frozenset[int] = frozenset()
         """The indices of the models (of the ``wrap`` call) whose parameters it updates."""
+        self.grads_cast = False
+        """This step's gradients were cast into the masters' ``.grad`` (False: under the
+        fused compensated update the model's own gradients are read instead)."""
         self.spare_grads: dict[int, SpareGrad] = {}
         """id(master) -> the float32 gradient memory ``zero_grad(set_to_none=True)`` took
         off that master, reused by the next cast into it (:mod:`.model_edits`) instead of

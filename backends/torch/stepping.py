@@ -53,10 +53,13 @@ import torch
 from mixprec.errors import StepOrderError
 from mixprec.step import Stage
 
+from . import cpu_kernels
 from .diagnostics import record_overflows
 from .distributed import all_reduce_found_inf, is_distributed
+from .grad_check import GuardPlan, native_unscale
 from .model_edits import (
     cast_grads_into,
+    grad_buffers,
     held_grads,
     keep_dropped_grads,
     mark_copied,
@@ -69,6 +72,7 @@ from .torch_private import (
     foreach_norm_float32,
     mark_step_hooked,
     non_finite_check_and_unscale_,
+    run_step_hooks,
     sparse_values,
     tensor_versions,
 )
@@ -114,6 +118,7 @@ def copies(st: OptimizerState, optimizer: torch.optim.Optimizer) -> tuple[list[A
                     params.append(param)
                     masters.append(master)
         st.copies = (params, masters)
+        st.model_of = {id(m): p for p, m in zip(params, masters, strict=True)}
         st.param_versions = None  # kept in the order of the cached lists
     return st.copies
 
@@ -122,6 +127,7 @@ def copy_grads_to_masters(st: OptimizerState, optimizer: torch.optim.Optimizer) 
     """Cast the model gradients into the masters' float32 gradients (None stays None)."""
     params, masters = copies(st, optimizer)
     cast_grads_into([param.grad for param in params], masters, st.spare_grads)
+    st.grads_cast = True
 
 
 def unscale(
@@ -139,12 +145,40 @@ def unscale(
     device in ``st.found_inf`` (no host sync here). ``scale`` divides instead of the group's
     scale (the apex shim's per-loss scalers).
 
+    Where every gradient is a dense CPU tensor and the native kernels are built, the cast,
+    the unscale and the check are one pass (:func:`~mixprec_torch.grad_check.native_unscale`);
+    under the fused compensated update the model's gradients are then only read.
+
     ``check=False`` (``unscale_``, the apex shim's ``scale_loss`` exit) leaves the guard's
     check to the step (:func:`open_round`), so it sees the gradients after whatever the user
-    did to them since (a clip, an edit), in the same one pass.
+    did to them since (a clip, an edit), in the same one pass. It takes the torch path, which
+    casts into the masters' gradients: they are there for the user to clip.
     """
-    copy_grads_to_masters(st, optimizer)
     scaler = st.group.scaler
+    scaler = st.group.scaler
+    lib = cpu_kernels.library() if check and st.local is None else None
+    if lib is not None:
+        scaled_now = scale is not None or scaler.enabled
+        inv = 1.0 / (scale if scale is not None else scaler.scale) if scaled_now else None
+        comp = st.group.compensation
+        cast = scaled_now or comp is None or not comp.fusable(optimizer)
+        key = copies(st, optimizer)
+        plan = st.guard_plan
+        if plan is None or plan.key is not key:
+            plan = st.guard_plan = GuardPlan(key, optimizer, st.model_of)
+
+        def buffers(
+            grads: list[torch.Tensor | None], masters: list[torch.Tensor]
+        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            return grad_buffers(grads, masters, st.spare_grads)
+
+        flags = native_unscale(lib, plan, inv, cast, buffers) if plan.usable else None
+        if flags is not None:
+            st.grads_cast = cast
+            st.found_inf = flags
+            st.unchecked = False
+            return
+    copy_grads_to_masters(st, optimizer)
     by_device = _grads_by_device(st, optimizer)
     scaled = scale is not None or scaler.enabled
     if scale is None:
@@ -277,8 +311,7 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
                 st.tracker.on_unscale()
                 st.implicit_unscale = True
         elif st.unchecked:  # unscale_() ran: check the gradients as the user left them
-            if st.group.compensation is None:
-                take_grad_edits(st, *copies(st, opt))
+            take_grad_edits(st, *copies(st, opt))
             check_grads(st, opt)
         if opt is not optimizer:  # it steps later: a write before its step() is checked then
             st.checked = checked_grads(opt)
@@ -356,14 +389,19 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     tracker.on_step()
     try:
         compensation = st.group.compensation
-        if not decision.skipped and compensation is None:
+        if not decision.skipped:
             take_grad_edits(st, *copies(st, self))  # a clip of the model's grads since the round
         if not decision.skipped and _written_since_check(st, self):
             decision = Round(True)  # this optimizer's own skip; the scale is already updated
         if not decision.skipped:
-            if compensation is None:  # compensated masters exist only inside this step
-                params, masters = copies(st, self)
+            params, masters = copies(st, self)
+            if compensation is None:
                 refresh_edited_masters(st, params, masters)
+            elif compensation.fusable(self):
+                # one pass per tensor, no float32 working masters (torch's SGD/Adam/AdamW)
+                grads_cast = st.grads_cast
+                run_step_hooks(self, lambda: compensation.step_fused(self, master_grads=grads_cast))
+                return loss
             else:
                 compensation.fill(self)  # float32 working masters: w + c (kahan) or w
             if closure is None:
@@ -382,6 +420,7 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
         st.checked = None
         if st.drop_master_grads:
             _drop_master_grads(st, self)
+        st.grads_cast = False
     return loss
 
 

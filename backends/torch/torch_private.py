@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "compiled_inner",
     "fake_tensor_mode",
+    "foreach_add_",
     "foreach_copy_",
     "foreach_norm_float32",
     "foreach_zero_",
@@ -33,6 +34,7 @@ __all__ = [
     "onednn_runs_bfloat16",
     "problems",
     "reentrant_checkpoint_function",
+    "run_step_hooks",
     "scheduler_step_wrapper",
     "set_reentrant_checkpoint_function",
     "sole_owner",
@@ -76,6 +78,16 @@ def foreach_norm_float32(tensors: list[torch.Tensor], ord: float = 2.0) -> tuple
     tensor is one kernel and one Python call per parameter.
     """
     return tuple(torch._foreach_norm(tensors, ord, dtype=torch.float32))
+
+
+def foreach_add_(tensors: list[torch.Tensor], value: float) -> None:
+    """``t.add_(value)`` for every tensor, as one fused foreach call (the fused update's step
+    counters, as torch's own Adam increments them).
+
+    Why private: torch has no public multi-tensor add; one ``add_`` per parameter is one
+    Python call and one kernel each, on every step.
+    """
+    torch._foreach_add_(tensors, value)
 
 
 def foreach_zero_(tensors: list[torch.Tensor]) -> None:
@@ -204,6 +216,30 @@ def mark_step_hooked(func: Callable[..., Any]) -> None:
     func.hooked = True  # type: ignore[attr-defined]
 
 
+def run_step_hooks(optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> Any:
+    """Run ``update`` in place of the optimizer's own ``step``, as that step runs: inside
+    the profiler's ``Optimizer.step#...`` range, after the step pre-hooks (global and the
+    optimizer's own) and before the post-hooks.
+
+    Why private-adjacent: ``Optimizer.profile_hook_step`` is the decorator torch wraps every
+    optimizer class's ``step`` in; it is the only way to give hooks registered with
+    ``register_step_pre_hook``/``register_step_post_hook`` (and the global ones) a step that
+    does not call the class's own ``step``.
+    """
+
+    def step(opt: torch.optim.Optimizer) -> Any:
+        return update()
+
+    return torch.optim.Optimizer.profile_hook_step(step)(optimizer)
+
+
+# In a compiled optimizer step the fused update is a graph break anyway (it calls native code);
+# tracing a wrapper made per call would fail dynamo's guards on the decorator's ParamSpec.
+run_step_hooks = torch.compiler.disable(
+    run_step_hooks, reason="mixprec: the fused compensated update runs eagerly"
+)
+
+
 # -------------------------------------------------------------------------------------------
 # The check the test suite runs against the installed torch
 
@@ -292,6 +328,7 @@ def problems() -> list[str]:
 
     for name in (
         "_amp_foreach_non_finite_check_and_unscale_",
+        "_foreach_add_",
         "_foreach_copy_",
         "_foreach_norm",
         "_foreach_zero_",
@@ -382,5 +419,13 @@ def problems() -> list[str]:
         seen_strict == [False, True] and load_strict() is None,
         "nn.Module.load_state_dict no longer runs the load pre-hooks inside its own frame "
         "with a local named strict",
+    )
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    run_step_hooks(opt, lambda: calls.append("update"))
+    need(
+        calls == ["pre", "update", "post"],
+        "Optimizer.profile_hook_step no longer runs the step hooks around the step",
     )
     return found

@@ -36,6 +36,7 @@ from .checkpoint import ModelCheckpoint
 from .compensation import Compensation
 from .devices import capabilities, device_capability, device_key
 from .dtypes import dtype_name, torch_dtype
+from .master_update import prefer_fused_kernel
 from .model_edits import record_param_versions
 from .optimizer import patch_optimizer
 from .optimizer_state import WrapGroup
@@ -159,6 +160,8 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
     local = local_tensor if plan.fsdp else None
     for opt in plan.optimizers:
         patch_optimizer(opt, group, local=local)
+        if group.compensation is None and masters.copied_pairs():
+            prefer_fused_kernel(opt)  # float32 masters that mixprec made: one sweep, not ten
     # after the casts: later in-place writes to these are the user's (model_edits)
     record_param_versions(group, [param for param, _ in masters.copied_pairs()])
     return group
