@@ -76,7 +76,17 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-_ITEM_FIELDS = ("w", "c", "g", "s0", "s1", "starts", "index", "step_size", "inv_bc2")
+_ITEM_FIELDS: tuple[str, ...] = (
+    "w",
+    "c",
+    "g",
+    "s0",
+    "s1",
+    "starts",
+    "index",
+    "step_size",
+    "inv_bc2",
+)
 _ITEM_FIELDS += ("wmode", "gdt", "sdt", "first")
 
 
