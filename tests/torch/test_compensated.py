@@ -160,7 +160,7 @@ def test_sliced_passes_give_the_bits_of_one_pass(
     whole = run()
     monkeypatch.setattr(noise, "SLICE", 7)  # 7 does not divide any parameter size
     monkeypatch.setenv("MIXPREC_NATIVE", "0")  # the torch noise, drawn slice by slice
-    monkeypatch.setattr(noise.native, "_state", {})
+    monkeypatch.setattr(noise.cpu_kernels, "_state", {})
     sliced = run()
     assert len(whole) == len(sliced)
     for a, b in zip(whole, sliced, strict=True):
