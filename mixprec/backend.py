@@ -52,16 +52,20 @@ class DeviceCapability:
     :param device: the device as the framework names it: ``"cpu"``, ``"cuda:0"``, ``"gpu(0)"``.
     :param compute_dtypes: canonical dtypes its matrix multiply and convolution run in.
     :param fast_dtypes: low-precision dtypes that run faster than float32 on it.
+    :param fp8_recipes: the FP8 recipes (:data:`mixprec.fp8.FP8_RECIPES`) the backend runs
+        on it, natively or emulated; a policy with another ``fp8`` recipe is refused there.
     """
 
     device: str
     compute_dtypes: tuple[str, ...]
     fast_dtypes: tuple[str, ...] = ()
+    fp8_recipes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line such as ``cpu: float32, bfloat16 (fast: bfloat16)``."""
         fast = f" (fast: {', '.join(self.fast_dtypes)})" if self.fast_dtypes else ""
-        return f"{self.device}: {', '.join(self.compute_dtypes)}{fast}"
+        fp8 = f" (fp8: {', '.join(self.fp8_recipes)})" if self.fp8_recipes else ""
+        return f"{self.device}: {', '.join(self.compute_dtypes)}{fast}{fp8}"
 
 
 @dataclass(frozen=True)
