@@ -227,6 +227,8 @@ def optimizer_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         }
         if st.group.compensation is not None:
             sd[_STATE_KEY]["compensation"] = st.group.compensation.state_dict()
+        if st.group.fp8 is not None:
+            sd[_STATE_KEY]["fp8"] = st.group.fp8.state_dict()
     return sd
 
 
@@ -263,6 +265,8 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
         steps = _check_entry(extra, st.group.scaler, st.tracker.steps)
         if st.group.compensation is not None and "compensation" in extra:
             st.group.compensation.check_state_dict(extra["compensation"])
+        if st.group.fp8 is not None and "fp8" in extra:
+            st.group.fp8.check_state_dict(extra["fp8"])
     base = base_class(self)
     base.load_state_dict(self, state_dict)
     if st is not None and st.group.compensation is not None:
@@ -271,6 +275,8 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
         st.group.scaler.load_state_dict(extra["scaler"])
         if st.group.compensation is not None and "compensation" in extra:
             st.group.compensation.load_state_dict(extra["compensation"])
+        if st.group.fp8 is not None and "fp8" in extra:
+            st.group.fp8.load_state_dict(extra["fp8"])
         st.tracker.reset()
         st.tracker.steps = steps
         st.round = None

@@ -6,6 +6,9 @@ it has AVX512-FP16 or AMX-FP16. A CUDA device computes bfloat16 from compute cap
 8.0 (Ampere) and float16 everywhere; both are fast on 8.0+, float16 alone on 7.x (tensor
 cores). ``auto`` picks bfloat16 before float16 among the fast dtypes
 (:meth:`mixprec.Capabilities.preferred_lowp`).
+
+Every FP8 recipe runs on both, emulated exactly where ``torch._scaled_mm`` does not run it
+(:mod:`mixprec_torch.fp8_numerics`), so both list all of them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import torch
 
 from mixprec.backend import Capabilities, DeviceCapability
+from mixprec.fp8 import FP8_RECIPES
 
 __all__ = ["capabilities", "cpu_flags", "device_capability", "device_key"]
 
@@ -43,7 +47,7 @@ def _cpu() -> DeviceCapability:
         fast.append("bfloat16")
     if flags & {"avx512_fp16", "amx_fp16"}:
         fast.append("float16")
-    return DeviceCapability("cpu", _ALL, tuple(fast))
+    return DeviceCapability("cpu", _ALL, tuple(fast), fp8_recipes=FP8_RECIPES)
 
 
 def _cuda(index: int) -> DeviceCapability:
@@ -51,7 +55,7 @@ def _cuda(index: int) -> DeviceCapability:
     cc = major * 10 + minor
     compute = ("float32", "bfloat16", "float16") if cc >= 80 else ("float32", "float16")
     fast = ("bfloat16", "float16") if cc >= 80 else ("float16",) if cc >= 70 else ()
-    return DeviceCapability(f"cuda:{index}", compute, fast)
+    return DeviceCapability(f"cuda:{index}", compute, fast, fp8_recipes=FP8_RECIPES)
 
 
 @functools.cache
