@@ -15,6 +15,7 @@ Everything here is plain tensor code, with no data-dependent Python branch, so t
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -41,6 +42,9 @@ FP8_TORCH_DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 _F32_MAX = float(torch.finfo(torch.float32).max)
+# Python constants, read at import: nothing is looked up while torch.compile traces
+_MAX = {fmt: format_info(fmt).max for fmt in FP8_TORCH_DTYPES}
+_EMAX = {fmt: math.frexp(top)[1] - 1 for fmt, top in _MAX.items()}  # 448 = 1.75 * 2**8
 
 
 class Quantised(NamedTuple):
@@ -54,14 +58,10 @@ class Quantised(NamedTuple):
     scale: torch.Tensor
 
 
-def _fmt_max(fmt: str) -> float:
-    return format_info(fmt).max
-
-
 def tensor_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     """``fmt_max / amax`` in float32 (true division, correctly rounded), at most float32's
     largest; 1.0 where ``amax`` is 0 or not finite."""
-    top = torch.full_like(amax, _fmt_max(fmt))
+    top = torch.full_like(amax, _MAX[fmt])
     scale = torch.clamp(top / amax, max=_F32_MAX)
     usable = torch.isfinite(amax) & (amax > 0)
     return torch.where(usable, scale, torch.ones_like(amax))
@@ -69,14 +69,13 @@ def tensor_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _round(y: torch.Tensor, fmt: str) -> torch.Tensor:
     """``y`` (float32) in the format: finite values saturate, non-finite ones become NaN."""
-    top = _fmt_max(fmt)
+    top = _MAX[fmt]
     saturated = torch.where(torch.isfinite(y), y.clamp(-top, top), torch.full_like(y, torch.nan))
     return saturated.to(FP8_TORCH_DTYPES[fmt])
 
 
 def _mx_exponent(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    emax = int(torch.frexp(torch.tensor(_fmt_max(fmt)))[1]) - 1
-    exponent = (torch.frexp(amax)[1] - 1 - emax).clamp(-127, 127)
+    exponent = (torch.frexp(amax)[1] - 1 - _EMAX[fmt]).clamp(-127, 127)
     exponent = torch.where(amax == 0, torch.full_like(exponent, -127), exponent)
     return torch.where(torch.isfinite(amax), exponent, torch.zeros_like(exponent))
 
