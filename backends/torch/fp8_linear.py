@@ -90,7 +90,10 @@ class FP8LinearFunction(torch.autograd.Function):
                 amaxes = torch.zeros(2, dtype=torch.float32, device=x.device)
                 saved = (x2, weight)
             y = scaled_gemm(qx, qw, bias, out_dtype, native=native)
-        ctx.save_for_backward(*(t for part in saved for t in _flat(part)), scales, amax_grad)
+        # the weight is needed only for the input's gradient, the input only for the weight's
+        need_x, need_w = ctx.needs_input_grad[:2]
+        kept = [t for t in _flat(saved[0]) if need_w] + [t for t in _flat(saved[1]) if need_x]
+        ctx.save_for_backward(*kept, scales, amax_grad)
         ctx.recipe, ctx.native = recipe, native
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(amaxes)
@@ -112,20 +115,24 @@ class FP8LinearFunction(torch.autograd.Function):
                 qg, amax_g = quantise_tensor(g2, BACKWARD_FORMAT, recipe, sg)
                 if amax_grad is not None:
                     amax_grad.copy_(torch.maximum(amax_grad, amax_g))
-                qx, qw = Quantised(*kept[:3]), Quantised(*kept[3:])
-                if need_x:
-                    grad_x = scaled_gemm(qg, _transposed(qw), None, x_dtype, native=native)
                 if need_w:
+                    qx, kept = Quantised(*kept[:3]), kept[3:]
                     grad_w = scaled_gemm(
                         _transposed(qg), _transposed(qx), None, w_dtype, native=native
                     )
-            else:
-                x2, weight = kept
                 if need_x:
+                    qw = Quantised(*kept[:3])
+                    grad_x = scaled_gemm(qg, _transposed(qw), None, x_dtype, native=native)
+            else:
+                x2 = kept.pop(0) if need_w else None
+                weight = kept.pop(0) if need_x else None
+                if need_x:
+                    assert weight is not None
                     qg = quantise(g2, BACKWARD_FORMAT, recipe, 1)
                     qw = quantise(weight.t(), FORWARD_FORMAT, recipe, 1)
                     grad_x = scaled_gemm(qg, qw, None, x_dtype, native=native)
                 if need_w:
+                    assert x2 is not None
                     qg_t = quantise(g2.t(), BACKWARD_FORMAT, recipe, 1)
                     qx_t = quantise(x2.t(), FORWARD_FORMAT, recipe, 1)
                     grad_w = scaled_gemm(qg_t, qx_t, None, w_dtype, native=native)
