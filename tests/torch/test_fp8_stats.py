@@ -120,3 +120,25 @@ def test_bad_arguments_are_refused() -> None:
     assert isinstance(stats, FP8Statistics) and stats.recipes == ("rowwise",)
     assert {r["tensor"] for r in stats.rows()} == {"input", "weight"}
     assert not model[0]._forward_hooks  # the hooks are gone
+
+
+def test_the_advisor_keeps_the_fragile_layer_in_bfloat16() -> None:
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(32, 16, generator=gen), torch.randn(32, 4, generator=gen))]
+    report = mpt.advise(
+        _student(True),
+        lambda p: torch.optim.Adam(p, lr=1e-3),
+        batches,
+        F.mse_loss,
+        ["O1-fp8"],
+        4,
+        progress=False,
+    )
+    assert report.sensitivity_policy == "O1-fp8"
+    # output errors blame the ReLU after the layer (the outlier unit dominates the layer's
+    # output norm); the per-row FP8 statistics name the layer, and no float32 rule undoes
+    # FP8 on the healthy layer "2"
+    assert report.sensitivity[0].module == "1"
+    assert report.rules == ["path:0=bfloat16"]
+    tuned = mixprec.get_policy(report.tuned_policy)
+    assert tuned.fp8_for("0", "Linear") is None and tuned.fp8_for("2", "Linear") is not None
