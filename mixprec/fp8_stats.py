@@ -171,7 +171,10 @@ class FP8Statistics:
     def table(self, limits: Thresholds = Thresholds()) -> str:
         """The statistics as a text table, fragile entries marked with ``!``, then the best
         recipe of each layer."""
-        head = f"{'layer':<24} {'tensor':<11} {'recipe':<10} {'rel MSE':>9} {'underflow':>9} {'saturated':>9}"
+        head = (
+            f"{'layer':<24} {'tensor':<11} {'recipe':<10} {'rel MSE':>9} {'underflow':>9} "
+            f"{'saturated':>9}"
+        )
         lines = [head, "-" * len(head)]
         for row in self.rows():
             error = self.errors[(row["layer"], row["tensor"], row["recipe"])]

@@ -92,7 +92,7 @@ class _Collector:
                 self.delayed[name] = self.delayed[name].update({name: amax}, False).state
 
     def hook(self, layer: str) -> Any:
-        def forward_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def forward_hook(module: nn.Linear, args: tuple[Any, ...], output: Any) -> None:
             if not args or not isinstance(args[0], torch.Tensor):
                 return
             self.observe(layer, "input", args[0])

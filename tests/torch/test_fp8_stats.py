@@ -105,10 +105,10 @@ def test_watching_changes_no_number() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(WrapError, match="nn.Module"):
+    with pytest.raises(WrapError, match=r"nn\.Module"):
         with mpt.fp8_statistics("model"):  # type: ignore[arg-type]
             pass
-    with pytest.raises(WrapError, match="no nn.Linear"):
+    with pytest.raises(WrapError, match=r"no nn\.Linear"):
         with mpt.fp8_statistics(nn.Sequential(nn.ReLU())):
             pass
     with pytest.raises(PolicyError, match="tensorwise"):
