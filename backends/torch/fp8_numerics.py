@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from mixprec.dtypes import format_info
 from mixprec.fp8 import MX_BLOCK
 
+from .torch_private import has_scaled_mm, scaled_mm
+
 __all__ = [
     "FP8_TORCH_DTYPES",
     "Native",
@@ -166,7 +168,7 @@ def _probe(device: torch.device, row: bool) -> bool:
 @functools.cache
 def native_gemms(device_type: str, index: int | None = None) -> Native:
     """What ``torch._scaled_mm`` runs on this device (probed once, with tiny GEMMs)."""
-    if not hasattr(torch, "_scaled_mm"):
+    if not has_scaled_mm():
         return Native(False, False)
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     return Native(_probe(device, row=False), _probe(device, row=True))
@@ -176,9 +178,7 @@ def _native(a: Quantised, b: Quantised, out: torch.dtype) -> torch.Tensor:
     # a [M, K] and b [N, K], both scaled along K: _scaled_mm wants a row-major and b as
     # [K, N] column-major, the scales as [M, 1] and [1, N] (or scalars)
     scale_b = b.inverse.t() if b.inverse.dim() == 2 else b.inverse
-    return torch._scaled_mm(  # type: ignore[no-any-return]
-        a.q.contiguous(), b.q.contiguous().t(), scale_a=a.inverse, scale_b=scale_b, out_dtype=out
-    )
+    return scaled_mm(a.q.contiguous(), b.q.contiguous().t(), a.inverse, scale_b, out)
 
 
 def _fits_native(a: Quantised, b: Quantised) -> bool:
