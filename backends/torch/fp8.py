@@ -30,12 +30,12 @@ from mixprec.fp8 import ROLE_FORMATS, ROLES, FP8Recipe
 from mixprec.fp8_scaling import DelayedScaling
 from mixprec.policy import Policy
 
-from .casting import ModelCasting
 from .copies import CopyOnly
 from .devices import device_capability
 from .dtypes import torch_dtype
 from .fp8_linear import DelayedTensors, FP8Forward
 from .fp8_numerics import native_gemms
+from .sites import ModuleSite
 
 __all__ = ["FP8Layers", "plan_fp8"]
 
@@ -170,9 +170,10 @@ def _pinned(name: str, pins: set[str]) -> bool:
 
 
 def plan_fp8(
-    models: Sequence[nn.Module], policy: Policy, castings: Sequence[ModelCasting], *, fsdp: bool
+    plans: Sequence[Sequence[ModuleSite]], policy: Policy, *, fsdp: bool
 ) -> FP8Layers | None:
-    """The FP8 layers of the models under ``policy`` (None without ``fp8``). Changes nothing.
+    """The FP8 layers of the models whose module plans (:func:`~mixprec_torch.sites.plan_model`)
+    are ``plans``, under ``policy`` (None without ``fp8``). Changes nothing.
 
     :raises WrapError: FP8 with FSDP2, or a layer whose ``forward`` was already replaced.
     :raises UnsupportedDtypeError: a layer on a device that runs no FP8.
@@ -187,10 +188,10 @@ def plan_fp8(
         )
     layers: list[tuple[str, nn.Linear]] = []
     seen: set[int] = set()
-    for index, casting in enumerate(castings):
-        prefix = f"model{index}." if len(models) > 1 else ""
-        pins = {site.name for site in casting.sites if site.pin is not None}
-        for site in casting.sites:
+    for index, sites in enumerate(plans):
+        prefix = f"model{index}." if len(plans) > 1 else ""
+        pins = {site.name for site in sites if site.pin is not None}
+        for site in sites:
             module = site.module
             if not isinstance(module, nn.Linear) or id(module) in seen:
                 continue

@@ -157,7 +157,7 @@ def plan_wrap(
     if _needs_op_casting(policy):
         for model, casting in zip(models, castings, strict=True):
             casting.set_op_casting(OpCasting(policy, _device_types([model])))
-    fp8 = plan_fp8(models, policy, castings, fsdp=fsdp)
+    fp8 = plan_fp8([casting.sites for casting in castings], policy, fsdp=fsdp)
     plan = WrapPlan(models, optimizers, params, policy, device, fsdp, castings, planned, fp8)
     names = {pid: name for pid, (name, _) in params.items()}
     _lint(optimizers, policy, names, planned, plan.masters_on)
