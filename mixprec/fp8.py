@@ -241,10 +241,12 @@ def check_fp8(value: object, compute: str) -> FP8Recipe | None:
 def describe_fp8(recipe: FP8Recipe, compute: str) -> str:
     """What ``fp8`` does to the ``linear`` family, for :meth:`mixprec.Policy.explain`."""
     return (
-        f"FP8: nn.Linear-style linear layers run as an FP8 GEMM: {FORWARD_FORMAT} input and "
-        f"weight, {BACKWARD_FORMAT} output gradients in the backward GEMMs, recipe "
-        f"{recipe.describe()}; output in {compute}. Layers a module rule decides, and "
-        f"functional linear calls outside such layers, keep the dtype above."
+        "FP8: linear layers (nn.Linear) run this op as an FP8 GEMM,\n"
+        f"  recipe {recipe.describe()};\n"
+        f"  {FORWARD_FORMAT} input and weight, {BACKWARD_FORMAT} output gradients, output "
+        f"in {compute}.\n"
+        "  Layers a module rule decides, and functional linear calls outside such layers,\n"
+        "  keep the dtype above."
     )
 
 

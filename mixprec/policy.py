@@ -231,7 +231,7 @@ class Policy:
             recipe = self.fp8_for(module, module_class)
             note = describe_fp8(self.fp8, self.compute)
             if recipe is None:
-                note = f"{note} Here a rule decides: no FP8."
+                note = f"{note}\n  Here a rule decides: no FP8."
             text = f"{text}\n{note}"
         return text
 
