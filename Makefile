@@ -5,7 +5,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: demo test test-fast lint bench docs install clean
+.PHONY: demo test test-fast lint bench docs install clean gpu-check
+
+# The JAX plugin's own environment: JAX needs NumPy 2, MXNet 1.9.1 needs NumPy 1.23.5.
+JAX_VENV  := .venv-jax
+JAX_BIN   := $(JAX_VENV)/bin
+JAX_STAMP := $(JAX_VENV)/.mixprec-installed
+JAX_PIN   := plugins/mixprec-jax/constraints.txt
 
 $(STAMP): pyproject.toml constraints.txt plugins/mixprec-numpy/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,13 +19,21 @@ $(STAMP): pyproject.toml constraints.txt plugins/mixprec-numpy/pyproject.toml
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' -e ./plugins/mixprec-numpy
 	touch $(STAMP)
 
-install: $(STAMP)
+$(JAX_STAMP): pyproject.toml $(JAX_PIN) plugins/mixprec-jax/pyproject.toml
+	test -x $(JAX_BIN)/python || $(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_BIN)/python -m pip install -q -c $(JAX_PIN) -e . -e './plugins/mixprec-jax[test,bench]' \
+		-e ./plugins/mixprec-numpy
+	touch $(JAX_STAMP)
+
+install: $(STAMP) $(JAX_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(JAX_STAMP)
 	$(BIN)/python -m pytest
+	# the JAX plugin's tests (flax, optax, its conformance run) in their own environment
+	cd plugins/mixprec-jax && ../../$(JAX_BIN)/python -m pytest
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
@@ -39,9 +53,16 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
+# On a machine with a CUDA GPU, never in `make test`/CI: every CUDA test, the CUDA benchmark
+# case and a short training, reported in build/gpu-check/summary.md (under 8 minutes on one
+# H100). It uses .venv or a Python whose torch sees the GPU (installing this tree for it);
+# without a GPU it says so and exits 2 at once. See docs/benchmarks.md.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
+
 # The documentation site (mkdocs-material, API reference from the docstrings) into site/.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build $(DOCSFLAGS)
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(JAX_VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache

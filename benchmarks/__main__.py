@@ -152,8 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     to_run = selected(args)
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
+    machine = report.machine() if to_run or not run else {}
+    stamp = report.cpu_stamp(machine) if machine else ""
+    if to_run:
+        log(f"CPU: {stamp}")
     for case in to_run:
         results[case.name] = run_case(case, opts)
+        results[case.name].meta["cpu"] = stamp  # a --load re-run may come from another CPU
         print_case(case, results[case.name])
     if run and to_run:  # a partial re-run on top of a loaded run: keep the run's own facts
         run.setdefault("reruns", []).append(
@@ -161,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "command": " ".join(["python -m benchmarks", *map(shlex.quote, argv)]),
                 "started": report.now(),
                 "cases": [c.name for c in to_run],
+                "cpu": stamp,
             }
         )
     elif not run:
@@ -169,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             started=report.now(),
             duration_s=time.perf_counter() - started,
             options=opts.to_dict(),
-            machine=report.machine(),
+            machine=machine,
             load_average={"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         )
     run["cases"] = {name: r.to_dict() for name, r in results.items()}

@@ -4,7 +4,8 @@ The page's prose lives in ``benchmarks/template.md`` and is written by hand; the
 fills its placeholders:
 
 - ``{{generated}}``: when, by which command, and a warning if the figures are a ``--quick`` run
-- ``{{machine}}``, ``{{targets}}``, ``{{results}}``: tables
+- ``{{machine}}``, ``{{targets}}``, ``{{results}}``: tables (each case's names its CPU)
+- ``{{cpu}}``: the CPU of the run in one line (:func:`cpu_stamp`)
 - ``{{target:ID}}``: one target's figure and verdict inline, e.g. "0.52× … — **met**"
 - ``{{figure:CASE/GROUP/CONTENDER}}`` (optionally ``/METRIC``): one headline figure inline
 
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib.metadata
+import json
 import os
 import platform
 import re
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,14 @@ from benchmarks.targets import TARGETS, Verdict, evaluate, limit_text
 TEMPLATE = Path(__file__).with_name("template.md")
 DISTRIBUTIONS = ("mixprec", "mixprec-numpy", "torch", "mxnet", "numpy", "scikit-learn", "pluggy")
 CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "f16c")
+#: the variables that cap oneDNN's and ATen's ISA below the CPU's (the AVX2 emulation)
+ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+_TORCH_CPU = (
+    "import json, torch; from mixprec_torch.devices import capabilities; "
+    "cpu = capabilities().device('cpu'); print(json.dumps({'capability': "
+    "str(torch.backends.cpu.get_cpu_capability()), 'fast': list(cpu.fast_dtypes), "
+    "'note': cpu.note}))"
+)
 
 
 def machine() -> dict[str, Any]:
@@ -41,6 +52,7 @@ def machine() -> dict[str, Any]:
     flags_line = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
     flags = set(flags_line.group(1).split()) if flags_line else set()
     info["cpu_flags"] = {flag: flag in flags for flag in CPU_FLAGS}
+    info["cpu_isa"] = cpu_isa()
     info["cores"] = os.cpu_count()
     info["cores_usable"] = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -58,6 +70,42 @@ def machine() -> dict[str, Any]:
     info["versions"] = versions
     info["git"] = _git()
     return info
+
+
+def cpu_isa() -> dict[str, Any]:
+    """What torch makes of this CPU, as the workers see it: ATen's capability, whether
+    bfloat16 is fast (mixprec's probe) and why, and the variables that cap the ISA. Asked of a
+    child process (this module imports no framework) with the workers' environment."""
+    info: dict[str, Any] = {"env": {var: os.environ[var] for var in ISA_VARS if var in os.environ}}
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _TORCH_CPU], capture_output=True, text=True, timeout=120,
+            env=env, check=True,
+        ).stdout  # fmt: skip
+        info.update(json.loads(out.strip().splitlines()[-1]))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        info["error"] = f"{type(exc).__name__}: torch could not be asked ({exc})"[:200]
+    return info
+
+
+def cpu_stamp(machine: Mapping[str, Any]) -> str:
+    """One line naming the CPU a table came from: the model, torch's capability, the
+    bfloat16 flags, and whether its ISA was capped (the AVX2 emulation) or native."""
+    isa = machine.get("cpu_isa")
+    if not isa:
+        return f"{machine.get('cpu', 'unknown CPU')} (run taken before CPU stamps: ISA unknown)"
+    flags = machine.get("cpu_flags", {})
+    have = [f for f in ("avx512_bf16", "amx_bf16", "avx512_fp16") if flags.get(f)]
+    parts = [f"torch capability {isa.get('capability', '?')}"]
+    parts.append("flags " + ", ".join(have) if have else "no avx512_bf16/amx_bf16 flag")
+    if "fast" in isa:
+        fast = ", ".join(isa["fast"]) or "none"
+        parts.append(f"fast low precision: {fast}")
+    capped = " ".join(f"{k}={v}" for k, v in isa.get("env", {}).items())
+    parts.append(f"emulated: {capped}" if capped else "native ISA (not emulated)")
+    return f"{machine.get('cpu', 'unknown CPU')} — {'; '.join(parts)}"
 
 
 def _read(path: str) -> str:
@@ -105,6 +153,7 @@ def machine_md(run: Mapping[str, Any]) -> str:
         ("CPU", m["cpu"]),
         ("cores", f"{m['cores']} (usable by this process: {m['cores_usable']})"),
         ("CPU features", flags),
+        ("torch on this CPU", cpu_stamp(m).split(" — ", 1)[-1]),
         ("memory", f"{m['memory_gib']} GiB"),
         ("OS", m["os"]),
         ("Python", m["python"]),
@@ -124,11 +173,16 @@ def targets_md(verdicts: Sequence[Verdict]) -> str:
     return md_table(["target", "limit", "figure (this run)", "verdict"], rows)
 
 
-def case_md(number: int, case: Case, result: JobResult | None) -> str:
+def case_md(
+    number: int, case: Case, result: JobResult | None, machine: Mapping[str, Any] | None = None
+) -> str:
     out = [f"### {number}. {case.title}", "", case.method, ""]
     if result is None:
         out.append("_Not run in this run._")
         return "\n".join(out)
+    stamp = result.meta.get("cpu") or (cpu_stamp(machine) if machine else None)
+    if stamp:
+        out += [f"CPU of these tables: {stamp}.", ""]
     out += [f"- {line}" for line in result.lines]
     if result.lines:
         out.append("")
@@ -157,7 +211,8 @@ def render(run: Mapping[str, Any], cases: Sequence[Case], results: Mapping[str, 
     for rerun in run.get("reruns", []):
         generated += (
             f" Re-run since then with `{rerun['command']}` on {rerun['started']}: "
-            f"{', '.join(rerun['cases'])}."
+            f"{', '.join(rerun['cases'])}"
+            + (f" (CPU: {rerun['cpu']})." if rerun.get("cpu") else ".")
         )
     if run["options"].get("quick"):
         generated += (
@@ -166,12 +221,15 @@ def render(run: Mapping[str, Any], cases: Sequence[Case], results: Mapping[str, 
             "they show that every case runs, not how fast anything is. Regenerate with "
             "`python -m benchmarks --markdown docs/benchmarks.md` on a quiet machine."
         )
-    sections = "\n\n".join(case_md(i, c, results.get(c.name)) for i, c in enumerate(cases, start=1))
+    sections = "\n\n".join(
+        case_md(i, c, results.get(c.name), run["machine"]) for i, c in enumerate(cases, start=1)
+    )
     text = TEMPLATE.read_text()
     fills = {
         "generated": generated,
         "command": run["command"],
         "machine": machine_md(run),
+        "cpu": cpu_stamp(run["machine"]),
         "targets": targets_md(verdicts) if verdicts else "_No case with a target was run._",
         "results": sections,
     }

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from mixprec.errors import (
     BackendNotAvailable,
     CheckpointError,
+    LockError,
     LossScaleError,
     MixprecError,
     MixprecWarning,
@@ -69,6 +70,8 @@ _LAZY: dict[str, str] = {
     "format_dtype_report": "mixprec.diagnostics",
     "format_underflow": "mixprec.diagnostics",
     "underflow_threshold": "mixprec.diagnostics",
+    "write_lock": "mixprec.lock",
+    "check_lock": "mixprec.lock",
 }
 
 __all__ = [
@@ -82,6 +85,7 @@ __all__ = [
     "DynamicScale",
     "EventLog",
     "FormatInfo",
+    "LockError",
     "LossScaleError",
     "LossScaler",
     "MasterWeights",
@@ -106,6 +110,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "WrapError",
     "canonical_dtype",
+    "check_lock",
     "format_dtype_report",
     "format_info",
     "format_underflow",
@@ -117,6 +122,7 @@ __all__ = [
     "preset_names",
     "resolve_auto",
     "underflow_threshold",
+    "write_lock",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -132,6 +138,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.events import EventLog, ScaleEvent
     from mixprec.guard import RepeatedSkipWarning, StepGuard
     from mixprec.hookspecs import hookimpl
+    from mixprec.lock import check_lock, write_lock
     from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
     from mixprec.masters import MasterWeights
     from mixprec.ops import OP_FAMILIES

@@ -51,6 +51,16 @@ class PolicyRun:
     """Bytes; see :attr:`AdviceReport.memory_measure` for what was measured."""
     loss_distance: float | None = None
     """Mean relative distance of :attr:`losses` from the float32 run's (0 for float32)."""
+    warmup_steps: int = 0
+    """Steps a throwaway copy ran before this run to calibrate the dynamic loss scale (the
+    scaler's warm-up); 0 when the policy has no dynamic scale."""
+    warmup_skips: int = 0
+    """How many of the :attr:`warmup_steps` were skipped: the backoffs every float16 run
+    makes at its start, not counted in :attr:`skipped_steps`."""
+    initial_scale: float | None = None
+    """The loss scale the run started from when the warm-up lowered it, else None."""
+    verdict: str = ""
+    """One line: ``recommended``, the float32 reference, or ``rejected: <why>``."""
 
     @property
     def ok(self) -> bool:
@@ -114,6 +124,11 @@ class AdviceReport:
     recommended_toml: str = ""
     """:attr:`recommended` as a TOML policy document, written by the advisor (which resolves
     the spec; this module only holds data)."""
+    fastest: str | None = None
+    """"Fastest here": the qualifying run with the smallest median step time, float32
+    included (on a CPU without fast float16 or bfloat16 it is float32)."""
+    safest: str | None = None
+    """"Safest numerics": the qualifying low-precision run closest to float32's loss."""
 
     # ------------------------------------------------------------------ lookups
 
@@ -154,7 +169,7 @@ class AdviceReport:
     def table(self) -> str:
         """The terminal table: one row per policy, then the module ranking and the advice."""
         head = ("policy", "status", "step ms (min-max)", "memory", "skipped", "scale", "underflow")
-        rows = [(*head, "loss dist")]
+        rows = [(*head, "loss dist", "verdict")]
         for run in self.runs:
             times = "-"
             if run.step_times:
@@ -167,10 +182,11 @@ class AdviceReport:
                     run.status if len(run.status) <= 60 else run.status[:57] + "...",
                     times,
                     _bytes(run.peak_memory),
-                    str(run.skipped_steps),
+                    _skipped(run),
                     scale,
                     _num(run.underflow_fraction, "{:.1%}"),
                     _num(run.loss_distance, "{:.3f}"),
+                    run.verdict or "-",
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -179,6 +195,7 @@ class AdviceReport:
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"memory: {self.memory_measure}")
+        lines.extend(_warmup_lines(self.runs))
         if self.sensitivity_policy:
             lines.append("")
             lines.append(f"module sensitivity under {self.sensitivity_policy} (vs float32):")
@@ -189,7 +206,28 @@ class AdviceReport:
         lines.extend(f"note: {note}" for note in self.notes)
         lines.append("")
         lines.append(f"recommended: {self.recommended}  ({self.reason})")
+        lines.extend(self._ranking_lines())
         return "\n".join(lines)
+
+    def _ranking_lines(self) -> list[str]:
+        lines = []
+        times = {r.policy: r.median_time for r in self.runs}
+        if self.fastest is not None:
+            said = f"fastest here: {self.fastest}"
+            best, chosen = times.get(self.fastest), times.get(self.recommended)
+            if best and chosen and self.fastest != self.recommended:
+                said += (
+                    f"  ({1e3 * best:.1f} ms a step, {chosen / best:.2f}x faster than the "
+                    "recommended policy on this machine)"
+                )
+            lines.append(said)
+        if self.safest is not None:
+            run = self.run(self.safest)
+            lines.append(
+                f"safest numerics: {self.safest}  (loss distance "
+                f"{_num(run.loss_distance, '{:.3f}')})"
+            )
+        return lines
 
     def __str__(self) -> str:
         return self.table()
@@ -244,6 +282,24 @@ def _sensitivity_lines(
         ("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))).rstrip()
         for r in rows
     ]
+
+
+def _skipped(run: PolicyRun) -> str:
+    if run.warmup_skips:
+        return f"{run.skipped_steps} (+{run.warmup_skips} warm-up)"
+    return str(run.skipped_steps)
+
+
+def _warmup_lines(runs: list[PolicyRun]) -> list[str]:
+    lines = []
+    for run in runs:
+        if run.warmup_skips and run.initial_scale is not None:
+            lines.append(
+                f"warm-up: {run.policy}: {run.warmup_steps} calibration steps before the run, "
+                f"{run.warmup_skips} skipped (the dynamic loss scale backing off to "
+                f"{run.initial_scale:g}); the run started from that scale"
+            )
+    return lines
 
 
 def _num(value: float | None, fmt: str) -> str:

@@ -74,7 +74,9 @@ def _time_vs_distance(report: PlottedReport, path: Path) -> Path:
         y = ceiling if diverged else run.loss_distance
         ax.scatter(1e3 * run.median_time, y, marker="x" if diverged else "o")
         label = f"{run.policy} (diverged)" if diverged else run.policy
-        ax.annotate(label, (1e3 * run.median_time, y), fontsize=8, xytext=(4, 4),
+        if run.verdict:  # why it was rejected, or that it is the recommended one
+            label += f"\n{run.verdict}"
+        ax.annotate(label, (1e3 * run.median_time, y), fontsize=7, xytext=(4, 4),
                     textcoords="offset points")  # fmt: skip
     ax.axhline(report.tolerance, linestyle="--", color="grey", label="tolerance")
     ax.set_xlabel("median step time (ms)")
@@ -89,7 +91,8 @@ def _loss_curves(report: PlottedReport, path: Path) -> Path:
     ax = fig.add_subplot()
     for run in report.runs:
         if run.losses:
-            ax.plot(range(len(run.losses)), run.losses, label=run.policy)
+            label = f"{run.policy}: {run.verdict}" if run.verdict else run.policy
+            ax.plot(range(len(run.losses)), run.losses, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("loss on the same batches")
@@ -102,8 +105,11 @@ def _loss_scale(report: PlottedReport, path: Path) -> Path:
     ax = fig.add_subplot()
     for run in report.runs:
         if run.loss_scales:
+            skipped = f"{run.skipped_steps} skipped"
+            if run.warmup_skips:
+                skipped += f", +{run.warmup_skips} in the warm-up before it"
             ax.plot(range(len(run.loss_scales)), run.loss_scales, drawstyle="steps-post",
-                    label=f"{run.policy} ({run.skipped_steps} skipped)")  # fmt: skip
+                    label=f"{run.policy} ({skipped})")  # fmt: skip
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss scale")

@@ -10,8 +10,15 @@ model under a policy and measures module errors) and :class:`Trainee` (one copy,
    under ``threshold`` (at most ``max_rules``); when that candidate runs FP8 layers, the
    layers its FP8 what-if statistics find fragile are first kept in its compute dtype
    (``path:<layer>=bfloat16``, :func:`fp8_rules`);
-3. train the tuned policy too, and recommend the fastest policy whose loss stays within
-   ``tolerance`` of float32's with few skipped steps.
+3. train the tuned policy too, and recommend the fastest low-precision policy whose loss
+   stays within ``tolerance`` of float32's with few skipped steps (float32 when none does),
+   ranking speed on this machine apart from it (:mod:`mixprec.verdicts`).
+
+A policy with a dynamic loss scale is calibrated first: a throwaway copy steps on the first
+``warmup`` batches, each again while its step is skipped, and the run starts from the scale
+that copy settled on. So the backoffs every float16 run makes at its start (from 65536 down
+to what the gradients fit) neither count as skipped steps nor leave the run's first steps
+untrained, and the report says how many there were.
 
 Pure Python: the frameworks stay in the backends, tqdm is imported only to draw the bar.
 """
@@ -19,6 +26,7 @@ Pure Python: the frameworks stay in the backends, tqdm is imported only to draw 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -29,9 +37,18 @@ from typing import Any, Protocol
 from mixprec.advice import AdviceReport, ModuleSensitivity, PolicyRun
 from mixprec.backend import Capabilities, DeviceCapability
 from mixprec.errors import AdviceError
+from mixprec.loss_scale import DynamicScale
 from mixprec.policy import Policy
 from mixprec.presets import BUILTIN_PRESETS
 from mixprec.spec import get_policy
+from mixprec.verdicts import (
+    fastest,
+    loss_distance,
+    recommend,
+    safest,
+    timing_notes,
+    verdicts,
+)
 
 __all__ = [
     "AdviceError",
@@ -47,6 +64,10 @@ __all__ = [
 ]
 
 RSS_MEASURE = "peak resident memory (RSS) growth of the process while the copy trained"
+
+#: At most this many skipped calibration steps (65536 down to 256): fewer than the step
+#: guard's RepeatedSkipWarning takes, and more than any scale-only warm-up needs.
+CALIBRATION_SKIPS = 8
 
 
 class Trainee(Protocol):
@@ -108,20 +129,6 @@ def _runs(policy: Policy, cap: DeviceCapability) -> bool:
     return policy.compute in cap.compute_dtypes and policy.master_strategy is None and fp8
 
 
-def loss_distance(losses: Sequence[float], reference: Sequence[float]) -> float:
-    """Mean of ``|loss - ref| / |ref|`` over the steps both have; ``inf`` if a loss is not
-    finite where the reference is."""
-    pairs = list(zip(losses, reference, strict=False))
-    if not pairs:
-        return math.inf
-    total = 0.0
-    for loss, ref in pairs:
-        if not math.isfinite(loss):
-            return math.inf
-        total += abs(loss - ref) / max(abs(ref), 1e-12)
-    return total / len(pairs)
-
-
 def propose_rule(
     worst: ModuleSensitivity, ranked: Sequence[ModuleSensitivity], threshold: float
 ) -> str:
@@ -158,49 +165,6 @@ def _ranked(rows: Sequence[ModuleSensitivity]) -> list[ModuleSensitivity]:
         return (-added, -s.module.count("."), -grad)
 
     return sorted((s for s in rows if s.module), key=key)  # the root cannot take a path rule
-
-
-def _healthy(run: PolicyRun, tolerance: float, max_skip_fraction: float, steps: int) -> bool:
-    distance = run.loss_distance
-    return (
-        run.ok
-        and run.median_time is not None
-        and distance is not None
-        and distance <= tolerance
-        and run.skipped_steps <= max_skip_fraction * steps
-    )
-
-
-def recommend(
-    runs: Sequence[PolicyRun], tolerance: float, max_skip_fraction: float, steps: int
-) -> tuple[str, str]:
-    """The fastest healthy run's policy and the reason; float32 (``O0``) when none is."""
-    healthy = [r for r in runs if _healthy(r, tolerance, max_skip_fraction, steps)]
-    if not healthy:
-        return "O0", "no candidate trained within tolerance; float32 is the safe choice"
-    best = min(healthy, key=lambda r: r.median_time or math.inf)
-    base = next((r for r in runs if r.policy == "O0" and r.median_time), None)
-    speed = ""
-    if base is not None and best is not base and best.median_time:
-        speed = f", {base.median_time / best.median_time:.2f}x float32's speed"  # type: ignore[operator]
-    which = f"fastest of {len(healthy)} policies" if len(healthy) > 1 else "the only policy"
-    return best.policy, (
-        f"{which} whose loss stays within {tolerance:g} of float32's with at most "
-        f"{max_skip_fraction:.0%} skipped steps{speed}"
-    )
-
-
-def timing_notes(runs: Sequence[PolicyRun], spread: float = 3.0) -> list[str]:
-    """A warning for each run whose slowest timed step took over ``spread`` times its
-    fastest: the machine was busy, and close candidates may have swapped places."""
-    notes = []
-    for run in runs:
-        if len(run.step_times) > 1 and max(run.step_times) > spread * min(run.step_times):
-            notes.append(
-                f"{run.policy}: step times vary {max(run.step_times) / min(run.step_times):.0f}x "
-                "(a busy machine?); rerun with nothing else running before trusting the ranking"
-            )
-    return notes
 
 
 @contextlib.contextmanager
@@ -243,15 +207,62 @@ def _reset_peak_rss() -> bool:
     return True
 
 
+def _calibrate(
+    target: AdviceTarget, policy: str, batches: Sequence[Any], warmup: int, run: PolicyRun
+) -> tuple[str, str | None]:
+    """The spec the run starts from (``policy`` with a calibrated initial loss scale) and a
+    note when the warm-up found no scale (then the skips are the policy's numerics)."""
+    config = get_policy(policy).loss_scale
+    if not isinstance(config, DynamicScale):
+        return policy, None
+    try:
+        trainee = target.start(policy)
+        done = 0
+        while done < max(1, warmup):
+            scale = trainee.loss_scale()
+            loss = trainee.step(batches[done % len(batches)])
+            run.warmup_steps += 1
+            if not math.isfinite(loss):
+                return policy, (
+                    f"{policy}: its loss is not finite from the first step, so its skipped steps "
+                    "are its numerics, not the loss scale's warm-up"
+                )
+            if trainee.skipped_steps() > run.warmup_skips:
+                run.warmup_skips += 1
+                if run.warmup_skips >= CALIBRATION_SKIPS or scale * config.backoff < config.min:
+                    return policy, (
+                        f"{policy}: the loss scale found no finite step in {run.warmup_skips} "
+                        "warm-up steps, so its skipped steps are its numerics"
+                    )
+                continue
+            done += 1
+    except Exception:  # the run itself meets the same failure and reports it
+        return policy, None
+    if run.warmup_skips == 0:
+        return policy, None
+    run.initial_scale = scale
+    calibrated = dataclasses.replace(config, init=scale)
+    return str(get_policy(policy, loss_scale=calibrated)), None
+
+
 def _train(
-    target: AdviceTarget, policy: str, batches: Sequence[Any], steps: int, warmup: int, bar: Any
+    target: AdviceTarget,
+    policy: str,
+    batches: Sequence[Any],
+    steps: int,
+    warmup: int,
+    bar: Any,
+    notes: list[str],
 ) -> PolicyRun:
     run = PolicyRun(policy)
     if bar is not None:
         bar.set_postfix_str(policy)
+    spec, note = _calibrate(target, policy, batches, warmup, run)
+    if note is not None:
+        notes.append(note)
     rss_start = _status_kb("VmRSS") if _reset_peak_rss() else None
     try:
-        trainee = target.start(policy)
+        trainee = target.start(spec)
         for i in range(steps):
             start = time.perf_counter()
             loss = trainee.step(batches[i % len(batches)])
@@ -327,11 +338,12 @@ def run_advice(
     policies = _check(candidates, batches, steps, tolerance, threshold)
     warmup = min(warmup, steps - 1)
     runs: list[PolicyRun] = []
+    notes: list[str] = []
     total = steps * (len(policies) + 1)
     with _progress(total, f"advise {target.backend}", progress) as bar:
         _warm_up(target, batches[0])
         for policy in policies:
-            runs.append(_train(target, policy, batches, steps, warmup, bar))
+            runs.append(_train(target, policy, batches, steps, warmup, bar, notes))
         reference = runs[0].losses
         for run in runs:
             run.loss_distance = loss_distance(run.losses, reference) if run.ok else None
@@ -345,15 +357,20 @@ def run_advice(
             steps=steps,
             tolerance=tolerance,
             threshold=threshold,
+            notes=notes,
         )
         _tune(target, report, batches[0], max_rules)
         if report.tuned_policy is not None:
-            tuned = _train(target, report.tuned_policy, batches, steps, warmup, bar)
+            tuned = _train(target, report.tuned_policy, batches, steps, warmup, bar, notes)
             tuned.loss_distance = loss_distance(tuned.losses, reference) if tuned.ok else None
             runs.append(tuned)
         elif bar is not None:
             bar.update(steps)
-    report.recommended, report.reason = recommend(runs, tolerance, max_skip_fraction, steps)
+    judged = (tolerance, max_skip_fraction, steps)
+    report.recommended, report.reason = recommend(runs, *judged)
+    report.fastest, report.safest = fastest(runs, *judged), safest(runs, *judged)
+    for run, verdict in zip(runs, verdicts(runs, report.recommended, *judged), strict=True):
+        run.verdict = verdict
     report.recommended_toml = get_policy(report.recommended).to_toml()
     report.notes.extend(timing_notes(runs))
     return report

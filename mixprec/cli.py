@@ -5,6 +5,7 @@ Subcommands:
   ``mixprec explain POLICY OP``      which rule decides an op's dtype, and why
   ``mixprec backends``               installed backends, versions, capabilities, broken plugins
   ``mixprec advise MODULE:FACTORY``  which policy for your model here (:mod:`mixprec.advise_cli`)
+  ``mixprec lock POLICY --backend B`` what each op resolves to; ``--check FILE`` names drift
 
 Messages follow one format on stderr: ``mixprec: error: ...`` (exit status 2) for a mistake
 in the arguments or a refused input, ``mixprec: warning: ...`` for each warning
@@ -19,8 +20,10 @@ from collections.abc import Sequence
 
 import mixprec
 from mixprec.advise_cli import add_parser as add_advise_parser
+from mixprec.backend import Capabilities
 from mixprec.cli_format import CliParser, cli_messages, dtype_list
 from mixprec.grammar import format_loss_scale
+from mixprec.lock import add_parser as add_lock_parser
 from mixprec.plugins import (
     DISABLE_ENV,
     broken_plugins,
@@ -32,6 +35,7 @@ from mixprec.plugins import (
 from mixprec.policy import Policy
 from mixprec.presets import DTYPE_ROLES, builtin_preset_names
 from mixprec.spec import get_policy, preset_names
+from mixprec.visibility import unseen_notes
 
 __all__ = ["main"]
 
@@ -81,7 +85,27 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     policy = get_policy(args.policy)
     inputs = tuple(args.inputs) if args.inputs else ()
     print(policy.explain(args.op, inputs, module=args.module, module_class=args.module_class))
+    if args.backend:
+        caps = load_backend(args.backend).capabilities()
+        entry = caps.unseen(args.op)
+        if entry is None:
+            print(f"{args.backend}: applies this rule ({args.op} asks the policy)")
+        else:
+            notes = unseen_notes(policy, caps, [args.op])
+            said = notes[0] if notes else f"{args.op}: runs as {entry.native}, as the policy says"
+            print(f"{args.backend}: cannot see {args.op!r}. {said}")
     return 0
+
+
+def _unseen_summary(caps: Capabilities) -> list[str]:
+    by_native: dict[str, list[str]] = {}
+    for entry in caps.unseen_ops:
+        by_native.setdefault(entry.native, []).append(entry.op)
+    return [
+        f"ops it cannot see ({'no such op' if native == 'absent' else f'run as {native}'}): "
+        + ", ".join(sorted(ops))
+        for native, ops in sorted(by_native.items())
+    ]
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -105,6 +129,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             continue
         for device in caps.devices:
             print(f"         {device.describe()}")
+        for line in _unseen_summary(caps):
+            print(f"         {line}")
     disabled = disabled_plugins()
     if disabled:
         print(f"\ndisabled by {DISABLE_ENV}: {', '.join(sorted(disabled))}")
@@ -165,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--module", help="the module's qualified name, e.g. encoder.0.attn")
     explain.add_argument("--module-class", help="the module's class name, e.g. BatchNorm2d")
+    explain.add_argument(
+        "--backend", help="also say whether this backend can apply the rule (e.g. jax)"
+    )
     explain.set_defaults(run=_cmd_explain)
 
     backends = sub.add_parser(
@@ -179,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     backends.set_defaults(run=_cmd_backends)
     add_advise_parser(sub)
+    add_lock_parser(sub)
     return parser
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "AdviceError",
     "BackendNotAvailable",
     "CheckpointError",
+    "LockError",
     "LossScaleError",
     "MixprecError",
     "MixprecWarning",
@@ -61,6 +62,11 @@ class CheckpointError(MixprecError, ValueError):
 
 class AdviceError(MixprecError, ValueError):
     """The advisor was given something it cannot run (the message says what to pass)."""
+
+
+class LockError(MixprecError, ValueError):
+    """A precision lock file is damaged, truncated or edited beyond reading, or is checked
+    against another backend than the one it was written for."""
 
 
 class DistributedError(MixprecError, RuntimeError):

@@ -17,7 +17,7 @@ import importlib.machinery
 from types import ModuleType
 from typing import Any
 
-from mixprec.plugins import list_backends, load_backend
+from mixprec.plugins import KNOWN_PLUGINS, list_backends, load_backend
 
 __all__ = ["BackendFacade", "find_spec"]
 
@@ -53,10 +53,13 @@ _LOADER = _FacadeLoader()
 
 def find_spec(fullname: str) -> importlib.machinery.ModuleSpec | None:
     """The spec of facade ``fullname`` (``"mixprec.<backend>"``), or None when no plugin
-    declares that backend (then the import fails as for any missing module)."""
+    declares that backend (then the import fails as for any missing module). A backend of
+    :data:`~mixprec.plugins.KNOWN_PLUGINS` gets a facade even when its plugin is missing:
+    its attributes then raise :class:`~mixprec.errors.BackendNotAvailable` naming the extra
+    that installs it."""
     package, _, backend = fullname.rpartition(".")
     if package != PACKAGE or not backend.isidentifier() or backend.startswith("_"):
         return None
-    if backend not in {row.info.name for row in list_backends()}:
+    if backend not in KNOWN_PLUGINS and backend not in {row.info.name for row in list_backends()}:
         return None
     return importlib.machinery.ModuleSpec(fullname, _LOADER, origin=f"backend {backend!r}")

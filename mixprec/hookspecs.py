@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from mixprec.backend import BackendInfo
+    from mixprec.backend import BackendInfo, NativeDtypes
     from mixprec.events import ScaleEvent
     from mixprec.policy import Policy
 
@@ -60,6 +60,38 @@ def mixprec_presets() -> Mapping[str, Policy | Mapping[str, Any]]:
     For backend authors: called only when :func:`mixprec.get_policy` meets a name that is
     not built in, so building the presets may import your framework (the PyTorch backend
     reads ``torch.autocast``'s own op lists here).
+    """
+    raise NotImplementedError  # pragma: no cover - specification only
+
+
+# ---------------------------------------------------------------------------------------
+# Locking a policy: what the framework does natively
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def mixprec_native_dtypes(backend: str, device: str, compute: str) -> NativeDtypes | None:
+    """Say what the framework's own mixed precision does with each op, for a precision lock.
+
+    :param backend: the backend the lock is for; answer for your own backend only and
+        return None for every other name.
+    :param device: the device type the lock is for: ``"cpu"`` or ``"cuda"``.
+    :param compute: the low-precision dtype (``"float16"`` or ``"bfloat16"``) the
+        framework's mixed precision would run in.
+    :returns: a :class:`mixprec.backend.NativeDtypes`: for each neutral family you map (and
+        for ``"<backend>:<native>"`` ops outside the vocabulary that your framework's mixed
+        precision decides), the dtype it computes in for float32 inputs and for ``compute``
+        inputs; or None when ``backend`` is not yours.
+
+    ``firstresult``: the first plugin that answers for ``backend`` wins.
+
+    For backend authors: ``mixprec lock`` writes these answers into the lock file and
+    ``mixprec lock --check`` asks again, so a framework upgrade that moves an op between its
+    own lists is named. Read your framework's lists or probe its dispatch (the PyTorch
+    backend runs ``torch.autocast`` on fake CUDA tensors, so no GPU is needed); never
+    depend on the machine's CPU features, and import the framework inside the hook, never
+    at module level. Raise :class:`mixprec.BackendNotAvailable` for a device you cannot
+    answer for.
     """
     raise NotImplementedError  # pragma: no cover - specification only
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pluggy
 
 from mixprec import hookspecs
-from mixprec.backend import BackendInfo
+from mixprec.backend import BackendInfo, NativeDtypes
 from mixprec.errors import BackendNotAvailable, PluginError
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from mixprec.policy import Policy
 
 __all__ = [
+    "KNOWN_PLUGINS",
     "BackendStatus",
     "backend_info",
     "broken_plugins",
@@ -48,6 +49,7 @@ __all__ = [
     "get_plugin_manager",
     "list_backends",
     "load_backend",
+    "native_dtypes",
     "plugin_preset_sources",
     "plugin_presets",
     "policy_resolved",
@@ -64,6 +66,13 @@ BACKEND_ALIASES: dict[str, str] = {
     "gluon": "mxnet",
     "mx": "mxnet",
     "np": "numpy",
+}
+
+#: Backends third-party plugins provide, as ``name -> (distribution, mixprec extra)``, so
+#: that ``mixprec.<name>`` and :func:`load_backend` say what to install when the plugin is
+#: missing instead of reporting an unknown name.
+KNOWN_PLUGINS: dict[str, tuple[str, str]] = {
+    "jax": ("mixprec-jax", "jax"),
 }
 
 # Every module-level global below is read without a lock and changed only under _lock.
@@ -258,6 +267,13 @@ def _unknown_backend(name: str) -> str:
         )
     declared = {info.name: info for _, info in _declared()}
     known = ", ".join(sorted(declared)) or "none"
+    if name in KNOWN_PLUGINS and name not in declared:
+        distribution, extra = KNOWN_PLUGINS[name]
+        return (
+            f"the {name!r} backend comes from the {distribution} plugin, which is not "
+            f"installed. Install it with: pip install 'mixprec[{extra}]' (from a source "
+            f"checkout: pip install ./plugins/{distribution}). Installed backends: {known}"
+        )
     guess = BACKEND_ALIASES.get(name.strip().lower())
     if guess not in declared:
         close = difflib.get_close_matches(name, list(declared), n=1, cutoff=0.6)
@@ -339,6 +355,15 @@ def plugin_preset_sources() -> dict[str, str]:
             continue
         sources.update(dict.fromkeys(presets, impl.plugin_name))
     return sources
+
+
+def native_dtypes(backend: str, device: str, compute: str) -> NativeDtypes | None:
+    """What ``backend``'s framework does natively with each op (the lockfile's question), or
+    None when no plugin answers for it (``mixprec_native_dtypes``)."""
+    answer = get_plugin_manager().hook.mixprec_native_dtypes(
+        backend=backend, device=device, compute=compute
+    )
+    return cast("NativeDtypes | None", answer)
 
 
 def _has_listeners(hook: str) -> bool:

@@ -385,11 +385,13 @@ def derive(base: P, overrides: Mapping[str, Any]) -> P:
     return policy if scale == policy.loss_scale else dataclasses.replace(policy, loss_scale=scale)
 
 
-def resolve_auto(policy: P, preferred_lowp: str | None) -> P:
+def resolve_auto(policy: P, preferred_lowp: str | None, why: str = "") -> P:
     """Turn an ``auto`` policy into a concrete one for a device.
 
     :param preferred_lowp: the low-precision dtype the device runs fast (from
         :meth:`mixprec.Capabilities.preferred_lowp`), or None when there is none.
+    :param why: the device's hardware facts (:attr:`mixprec.DeviceCapability.note`), quoted
+        in the float32 warning so that it names what the device lacks.
     :returns: ``policy`` unchanged when it is already resolved; else ``policy`` with that
         compute dtype (``auto`` itself becomes exactly ``O1`` or ``O1-bf16``), or ``O0`` with
         one :class:`~mixprec.MixprecWarning` when ``preferred_lowp`` is None.
@@ -397,9 +399,11 @@ def resolve_auto(policy: P, preferred_lowp: str | None) -> P:
     if policy.is_resolved:
         return policy
     if preferred_lowp is None:
+        reason = f" ({why})" if why else ""
         warnings.warn(
-            "policy 'auto': this device has no fast float16/bfloat16 compute, so training runs "
-            "in float32 (O0). Pass policy='O1-bf16' or 'O1' to force mixed precision anyway.",
+            f"policy 'auto': this device has no fast float16/bfloat16 compute{reason}, so "
+            "training runs in float32 (O0). Pass policy='O1-bf16' or 'O1' to force mixed "
+            "precision anyway.",
             MixprecWarning,
             stacklevel=2,
         )

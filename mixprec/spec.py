@@ -284,7 +284,8 @@ def resolve_for_device(
     """
     policy = get_policy(spec, **overrides)
     preferred = None if capabilities is None else capabilities.preferred_lowp(device)
-    policy = resolve_auto(policy, preferred)
+    why = "" if capabilities is None else capabilities.device(device).note
+    policy = resolve_auto(policy, preferred, why)
     if policy.fp8 is not None and capabilities is not None:
         _check_fp8(policy, backend, capabilities.device(device).fp8_recipes, device)
     if check is not None:

@@ -36,8 +36,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 def emulating_avx2() -> bool:
-    """Whether this process runs under :data:`AVX2_ENV`."""
-    return os.environ.get("DNNL_MAX_CPU_ISA", "").upper() == "AVX2"
+    """Whether this process runs under :data:`AVX2_ENV`, or any of its variables (oneDNN
+    reads ``ONEDNN_MAX_CPU_ISA`` as well as ``DNNL_MAX_CPU_ISA``)."""
+    return any(os.environ.get(var, "").upper() == value.upper() for var, value in AVX2_ENV.items())
 
 
 def can_emulate_avx2() -> bool:

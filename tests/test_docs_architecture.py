@@ -56,4 +56,5 @@ def test_floors_match_the_import_linter_contract() -> None:
     }
     from_doc = {_module(name): floor for floor, name in _table() if name != "__init__.py"}
     assert from_doc == from_contract
-    assert max(from_doc.values()) <= 10  # issue 9: nine floors; issue 24: the catalog below policy
+    # issue 9: nine floors; issue 24: the catalog below policy, the lock below the CLI
+    assert max(from_doc.values()) <= 11

@@ -29,7 +29,8 @@ pass), :mod:`.ops` (neutral families to MXNet op names), :mod:`.checkpoint`,
 function once imported), :mod:`.dtypes`, :mod:`.distributed` (kvstore ``dist_sync``),
 :mod:`.diagnostics` (``dtype_report``, ``overflowing_params``, ``underflow_fraction``),
 :mod:`.kernels` (which ops have a bfloat16 CPU kernel here, probed once),
-:mod:`.islands` (O2/O3 float32 islands around ops without one), :mod:`.gluon_private` (every
+:mod:`.islands` (O2/O3 float32 islands around ops without one), :mod:`.native` (what
+MXNet's own AMP lists do with each op, for the lockfile), :mod:`.gluon_private` (every
 private MXNet name used, with its reason), :mod:`.conformance`, :mod:`.advisor` (``advise``)
 and :mod:`.plugin` (the entry point, which never imports MXNet).
 """
@@ -50,6 +51,7 @@ __all__ = [
     "conformance_adapter",
     "dtype_report",
     "master_params",
+    "native_dtypes",
     "overflow_records",
     "overflowing_params",
     "resolve_policy",
@@ -71,6 +73,7 @@ _LAZY = {
     "unscale": "mixprec_mxnet.loop",
     "unscale_": "mixprec_mxnet.loop",
     "capabilities": "mixprec_mxnet.devices",
+    "native_dtypes": "mixprec_mxnet.native",
     "cast": "mixprec_mxnet.dtypes",
     "clip_global_norm": "mixprec_mxnet.clipping",
     "conformance_adapter": "mixprec_mxnet.conformance",
@@ -95,6 +98,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .dtypes import cast
     from .loop import master_params, scale_loss, state, unscale, unscale_
+    from .native import native_dtypes
     from .trainer import Trainer
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -6,10 +6,11 @@ imports :mod:`mixprec_mxnet` (which imports MXNet) only when the backend is firs
 
 from __future__ import annotations
 
-from mixprec.backend import BackendInfo
+from mixprec.backend import BackendInfo, NativeDtypes
 from mixprec.hookspecs import hookimpl
+from mixprec.plugins import load_backend
 
-__all__ = ["mixprec_register_backends"]
+__all__ = ["mixprec_native_dtypes", "mixprec_register_backends"]
 
 
 @hookimpl
@@ -24,3 +25,13 @@ def mixprec_register_backends() -> list[BackendInfo]:
             description="MXNet Gluon: mixprec.mxnet.Trainer (O1 graph casting, O2 fp32 masters)",
         )
     ]
+
+
+@hookimpl
+def mixprec_native_dtypes(backend: str, device: str, compute: str) -> NativeDtypes | None:
+    """Where ``mxnet.contrib.amp``'s own lists put each op, for the precision lockfile (see
+    :mod:`mixprec_mxnet.native`)."""
+    if backend != "mxnet":
+        return None
+    answer: NativeDtypes = load_backend("mxnet").native_dtypes(device, compute)
+    return answer

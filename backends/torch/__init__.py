@@ -18,7 +18,8 @@ then apply), :mod:`.stepping` (the step protocol, top to bottom), :mod:`.loop`
 optimizer class), :mod:`.optimizer_state` (data: wrap group, master map, per-optimizer
 state), :mod:`.sites` (each module's planned dtype), :mod:`.casting` (parameter, boundary and
 island casting), :mod:`.autocast` (O1 op-level casting), :mod:`.ops` (neutral families to
-torch callables), :mod:`.probes` (the op-family probe calls), :mod:`.checkpoint` (state
+torch callables), :mod:`.probes` (the op-family probe calls), :mod:`.native` (what
+torch.autocast does with each op, for the lockfile), :mod:`.checkpoint` (state
 dicts; ``save``, ``torch.save`` written atomically), :mod:`.diagnostics` (``dtype_report``,
 ``overflowing_params``, ``underflow_fraction``), :mod:`.devices` (``capabilities()``; not
 ``capabilities.py``, which would shadow the lazy function), :mod:`.dtypes`, :mod:`.distributed`
@@ -56,6 +57,7 @@ __all__ = [
     "fsdp_mixed_precision_policy",
     "fully_shard_with_policy",
     "master_params",
+    "native_dtypes",
     "overflow_records",
     "overflowing_params",
     "register_ddp_reduce_hook",
@@ -81,6 +83,7 @@ _LAZY = {
     "ReentrantCheckpointWarning": "mixprec_torch.reentrant",
     "MixprecState": "mixprec.scaler",
     "capabilities": "mixprec_torch.devices",
+    "native_dtypes": "mixprec_torch.native",
     "conformance_adapter": "mixprec_torch.conformance",
     "fully_shard_with_policy": "mixprec_torch.sharding",
     "fsdp_mixed_precision_policy": "mixprec_torch.sharding",
@@ -109,6 +112,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mixprec_torch.distributed import all_reduce_found_inf
     from mixprec_torch.fp8_stats import fp8_statistics
     from mixprec_torch.loop import master_params, scale_loss, state, unscale_
+    from mixprec_torch.native import native_dtypes
     from mixprec_torch.recompute import checkpoint_context
     from mixprec_torch.reentrant import ReentrantCheckpointWarning
     from mixprec_torch.sharding import (

@@ -306,9 +306,10 @@ def _check_devices(models: Sequence[nn.Module], policy: Policy, planned: dict[in
                     )
                 missing = sorted(d for d in needed if d not in cap.compute_dtypes)
                 if missing:
+                    why = f" ({cap.note})" if cap.note else ""
                     raise UnsupportedDtypeError(
-                        f"policy {policy} needs {', '.join(missing)} but {cap.device} (where "
-                        f"{kind} {name!r} of model {index} lives) computes only in "
+                        f"policy {policy} needs {', '.join(missing)} but {cap.device}{why}, "
+                        f"where {kind} {name!r} of model {index} lives, computes only in "
                         f"{', '.join(cap.compute_dtypes)}; use a policy with "
                         f"compute={'float16' if 'float16' in cap.compute_dtypes else 'float32'} "
                         "(e.g. 'O1' instead of 'O1-bf16'), or another device"

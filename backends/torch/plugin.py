@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mixprec.backend import BackendInfo
+from mixprec.backend import BackendInfo, NativeDtypes
 from mixprec.hookspecs import hookimpl
+from mixprec.plugins import load_backend
 
 
 @hookimpl
@@ -45,3 +46,13 @@ def mixprec_presets() -> Mapping[str, Any]:
     from .presets import torch_autocast_presets
 
     return torch_autocast_presets()
+
+
+@hookimpl
+def mixprec_native_dtypes(backend: str, device: str, compute: str) -> NativeDtypes | None:
+    """What ``torch.autocast`` does with each op, for the precision lockfile (see
+    :mod:`mixprec_torch.native`; CUDA is probed on fake tensors)."""
+    if backend != "torch":
+        return None
+    answer: NativeDtypes = load_backend("torch").native_dtypes(device, compute)
+    return answer

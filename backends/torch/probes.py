@@ -37,9 +37,13 @@ Probe = tuple[int, Callable[[Sequence[torch.dtype], torch.device], Any]]
 def _t(
     dtype: torch.dtype, device: torch.device, *shape: int, positive: bool = False
 ) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(sum(shape) + 7)
-    value = torch.rand(*shape, generator=gen) if positive else torch.randn(*shape, generator=gen)
-    return (value * 0.5 + (0.25 if positive else 0.0)).to(device=device, dtype=dtype)
+    # Made on the device itself, without a CPU generator to copy from: so the probes also
+    # run on fake CUDA tensors (mixprec_torch.native), where a copy to CUDA is refused.
+    low, high = (0.25, 0.75) if positive else (-1.0, 1.0)
+    count = 1
+    for size in shape:
+        count *= size
+    return torch.linspace(low, high, count, device=device, dtype=dtype).reshape(shape)
 
 
 def _lstm(ds: Sequence[torch.dtype], dev: torch.device) -> Any:

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "compiled_inner",
+    "fake_tensor_mode",
     "foreach_copy_",
     "foreach_norm_float32",
     "foreach_zero_",
@@ -28,6 +29,7 @@ __all__ = [
     "is_scheduler_step_wrapper",
     "mark_step_hooked",
     "non_finite_check_and_unscale_",
+    "onednn_runs_bfloat16",
     "problems",
     "reentrant_checkpoint_function",
     "scaled_mm",
@@ -128,6 +130,20 @@ def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
     and comparing copies would cost the weights' memory and a pass over them.
     """
     return [t._version for t in tensors]
+
+
+def onednn_runs_bfloat16() -> bool:
+    """Whether this torch's oneDNN runs bfloat16 matmuls and convolutions at its effective ISA
+    (False for a build without oneDNN).
+
+    Why private: ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` is the only check that honours
+    oneDNN's own ISA (``ONEDNN_MAX_CPU_ISA=AVX2`` makes it False on an AVX512-BF16 CPU); the
+    public ``torch.backends.mkldnn.is_available()`` says only that oneDNN is built in.
+    """
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def sole_owner(storage: torch.UntypedStorage) -> bool:
@@ -253,6 +269,20 @@ def set_reentrant_checkpoint_function(node: Any, fn: Callable[..., Any]) -> None
     node.run_function = fn
 
 
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode``: tensors made inside it have a device and a dtype but no data, so
+    CUDA tensors exist without a GPU and ops compute only their results' dtypes and shapes.
+
+    Why private: ``torch._subclasses.fake_tensor`` is how torch itself (``torch.compile``)
+    traces without running kernels; there is no public equivalent. The lockfile
+    (:mod:`mixprec_torch.native`) runs CUDA autocast's own kernels on fake tensors to record
+    what it does with each op on a machine without a GPU.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
 def _doubled(t: torch.Tensor) -> torch.Tensor:
     return t * 2
 
@@ -274,6 +304,15 @@ def problems() -> list[str]:
         "_scaled_mm",  # FP8 GEMMs fall back to exact emulation without it
     ):
         need(callable(getattr(torch, name, None)), f"torch.{name} is gone")
+    try:
+        torch.ops.mkldnn._is_mkldnn_bf16_supported  # noqa: B018 - the lookup is the check
+        has_probe = True
+    except (AttributeError, RuntimeError):
+        has_probe = False
+    need(
+        has_probe or not torch.backends.mkldnn.is_available(),
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported is gone",
+    )
     need(
         hasattr(torch.Tensor, "_version") and hasattr(torch.Tensor, "_values"),
         "Tensor._version or Tensor._values is gone",
@@ -297,6 +336,12 @@ def problems() -> list[str]:
         "torch._C._storage_Use_Count no longer counts the tensors holding a storage",
     )
     need(not in_backward(), "torch._C._current_graph_task_id is not -1 outside backward")
+    try:
+        with fake_tensor_mode():
+            fake = torch.ones(2, device="cuda")
+        need(fake.device.type == "cuda", "FakeTensorMode no longer makes CUDA tensors")
+    except Exception as exc:
+        need(False, f"torch._subclasses.fake_tensor.FakeTensorMode fails: {exc}")
     seen: list[bool] = []
     leaf = torch.ones(1, requires_grad=True)
     leaf.register_hook(lambda grad: seen.append(in_backward()))

@@ -167,6 +167,13 @@ class BackendUnderTest:
         islands = getattr(self.adapter, "fp32_islands", None)
         return set(islands(dtype)) if islands is not None else set()
 
+    def op_module_class(self, op: str) -> tuple[str, ...] | None:
+        """The class names of the module the adapter runs ``op`` in (its optional
+        ``op_module_class``), or None for an op it runs as a function."""
+        lookup = getattr(self.adapter, "op_module_class", None)
+        classes = lookup(op) if lookup is not None else None
+        return None if classes is None else tuple(classes)
+
     def expected_dtype(self, op: str, decided: str) -> str:
         """The dtype ``op`` computes in when the policy decides ``decided``: float32 for an
         island, else ``decided``."""
@@ -306,6 +313,17 @@ def trace_cases(backend: BackendUnderTest) -> list[Case]:
     it is (no scaling: an overflow still skips)."""
     names = [f"{p}+trace" for p in ("O1", "O2", "O1-bf16", "O2-bf16")]
     return [(n, (n,)) for n in ["O0", *names] if backend.runs(n)]
+
+
+def unseen_op_cases(backend: BackendUnderTest) -> list[Case]:
+    """The op families the backend declares it cannot see (``capabilities().unseen_ops``)
+    but the framework has: a casting rule on them must be refused."""
+    assert backend.capabilities is not None
+    return [
+        (entry.op, (entry.op,))
+        for entry in backend.capabilities.unseen_ops
+        if entry.native != "absent"
+    ]
 
 
 def saved_dtype_cases(backend: BackendUnderTest) -> list[Case]:

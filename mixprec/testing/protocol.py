@@ -88,6 +88,13 @@ class ConformanceAdapter(Protocol):
         inputs cast to float32, float32 compute, outputs cast back. The suite then expects
         float32 from :meth:`op_dtype` for them (default: none).
 
+    ``op_module_class(op: str) -> Sequence[str] | None``
+        for a backend that runs an op family as a module (flax's ``nn.BatchNorm`` is
+        ``batch_norm``): the class names, along the MRO, of the module :meth:`op_dtype`
+        runs ``op`` in, or None for an op run as a plain function. The suite then asks
+        ``policy.decide`` with that ``module_class``, so class rules (O2's
+        ``class:*BatchNorm*=float32``) apply as they do in a real model (default: None).
+
     ``master_strategies: Collection[str]``
         the compensated master-weight strategies (``"kahan"``, ``"stochastic"``) the
         backend runs; the suite then trains ``O3-bf16-kahan`` / ``O3-bf16-sr`` too and

@@ -15,6 +15,7 @@ import pytest
 
 from mixprec.errors import MixprecError
 from mixprec.loss_scale import DynamicScale, LossScale
+from mixprec.ops import OP_FAMILIES
 from mixprec.testing.cases import (
     OVERFLOW_SEQUENCE,
     BackendUnderTest,
@@ -32,6 +33,7 @@ from mixprec.testing.cases import (
     trace_cases,
     trainer_cases,
     unlisted_dtype_cases,
+    unseen_op_cases,
 )
 from mixprec.testing.floats import round_to
 from mixprec.testing.fp8 import (
@@ -105,6 +107,12 @@ def test_capabilities_describe_the_device(backend: BackendUnderTest) -> None:
     )
     preferred = caps.preferred_lowp(backend.device)
     assert preferred is None or preferred in device.fast_dtypes
+    unseen = {entry.op for entry in caps.unseen_ops}
+    assert unseen <= set(OP_FAMILIES), (
+        f"unseen_ops outside OP_FAMILIES: {unseen - set(OP_FAMILIES)}"
+    )
+    both = unseen & set(backend.ops())
+    assert not both, f"ops both supported and declared unseen: {sorted(both)}"
 
 
 @cases(listed_dtype_cases, ("dtype",))
@@ -139,10 +147,11 @@ def test_op_dtype_matches_decide(backend: BackendUnderTest, policy_name: str, op
     (and is refused where the policy bans it)."""
     assert backend.adapter is not None
     chosen = policy(policy_name)
+    classes = backend.op_module_class(op)  # a backend whose op is a module: its class rules
     wrong = []
     for input_dtype in backend.compute_dtypes:
         try:
-            expected = chosen.decide(op, (input_dtype,)).dtype
+            expected = chosen.decide(op, (input_dtype,), module_class=classes).dtype
         except MixprecError:  # banned: the backend must refuse too
             try:
                 got = backend.adapter.op_dtype(chosen, op, input_dtype)
@@ -153,11 +162,26 @@ def test_op_dtype_matches_decide(backend: BackendUnderTest, policy_name: str, op
         expected = backend.expected_dtype(op, expected)
         got = backend.adapter.op_dtype(chosen, op, input_dtype)
         if got != expected:
-            why = chosen.explain(op, (input_dtype,))
+            why = chosen.explain(op, (input_dtype,), module_class=classes)
             wrong.append(
                 f"inputs {input_dtype}: ran in {got}, policy.decide says {expected}\n    {why}"
             )
     assert not wrong, f"{op} under {policy_name}:\n  " + "\n  ".join(wrong)
+
+
+@cases(unseen_op_cases, ("op",))
+def test_rules_on_unseen_ops_are_refused(backend: BackendUnderTest, op: str) -> None:
+    """A backend that cannot see an op (``capabilities().unseen_ops``: JAX's ``x + y``)
+    refuses a policy that casts it, globally or inside a module rule, instead of silently
+    running what the framework does natively (:mod:`mixprec.visibility`)."""
+    assert backend.adapter is not None
+    base = policy("O0")
+    for chosen in (
+        base.with_ops(fp32=[op]),
+        base.with_module("*", match="path", ops={op: "fp32"}),
+    ):
+        with pytest.raises(MixprecError):
+            backend.adapter.make_trainer(chosen)
 
 
 # ------------------------------------------------------------------------------------------

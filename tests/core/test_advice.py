@@ -20,6 +20,7 @@ from mixprec.advisor import (
     recommend,
     timing_notes,
 )
+from mixprec.verdicts import fastest, safest, verdicts
 
 
 def _run(policy: str, ms: float, distance: float | None, skipped: int = 0) -> PolicyRun:
@@ -68,6 +69,32 @@ def test_a_class_rule_only_when_every_module_of_the_class_is_over_threshold() ->
     assert propose_rule(rows[0], rows, 0.01) == "class:Norm=float32"
     rows[1].added_error = 0.001
     assert propose_rule(rows[0], rows, 0.01) == "path:a.0=float32"
+
+
+def test_recommend_takes_low_precision_even_where_float32_is_faster_and_ranks_speed_apart() -> None:
+    # float16 on a CPU: slower than float32, but within tolerance, so it is the advice
+    runs = [_run("O0", 5, 0.0), _run("O1", 20, 0.004), _run("O1-bf16", 9, 0.03),
+            _run("O2", 7, 0.5), _run("O3", 1, math.inf, skipped=2),
+            PolicyRun("O2-bf16", status="failed: X: y")]  # fmt: skip
+    judged = (0.05, 0.2, 10)
+    policy, reason = recommend(runs, *judged)
+    assert policy == "O1-bf16" and "fastest of 2 low-precision policies" in reason
+    assert "0.56x float32's speed here" in reason
+    assert fastest(runs, *judged) == "O0" and safest(runs, *judged) == "O1"
+    assert verdicts(runs, policy, *judged) == [
+        "float32 reference; fastest here",
+        "rejected: 2.22x slower than O1-bf16",
+        "recommended",
+        "rejected: loss distance 0.500 > tolerance 0.05",
+        "rejected: its loss went inf/NaN (loss distance inf > tolerance 0.05)",
+        "rejected: it failed: X: y",
+    ]
+    skipping = [_run("O0", 5, 0.0), _run("O2", 4, 0.01, skipped=3)]
+    assert recommend(skipping, *judged)[0] == "O0"
+    assert verdicts(skipping, "O0", *judged) == [
+        "recommended",
+        "rejected: skipped 3 of 10 steps after the warm-up (> 20%)",
+    ]
 
 
 def test_recommend_takes_the_fastest_run_within_tolerance_and_few_skips() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -87,3 +88,24 @@ def test_every_facade_comes_from_the_one_mechanism() -> None:
 def test_facade_import_in_a_fresh_process_needs_no_prior_attribute_access() -> None:
     code = "import mixprec.numpy as mp, sys\nassert mp.BACKEND == 'numpy'\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_facade_of_a_known_plugin_that_is_missing_names_the_extra() -> None:
+    """``mixprec.jax`` without the mixprec-jax plugin: importing works, using it says what
+    to install (run with the plugin blocked, so it holds wherever the plugin is installed)."""
+    script = (
+        "import mixprec.jax as mpj\n"
+        "try:\n"
+        "    mpj.Optimizer\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    env = {**os.environ, "MIXPREC_DISABLE_PLUGINS": ""}
+    if importlib.util.find_spec("mixprec_jax") is not None:
+        pytest.skip("the mixprec-jax plugin is installed here")
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert out.startswith("BackendNotAvailable"), out
+    assert "mixprec-jax plugin, which is not installed" in out
+    assert "pip install 'mixprec[jax]'" in out

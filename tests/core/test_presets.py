@@ -194,3 +194,10 @@ def test_plugin_presets() -> None:
     assert get_policy("my-dict") == get_policy("O2", output="float16")
     with pytest.raises(PolicyError, match="my-preset"):
         get_policy("my-prest")
+    # a partial mapping on a plugin's preset: get_policy reads it (it loads plugins);
+    # Policy.from_dict, which sits below the plugins, says so instead of guessing
+    partial = {"base": "my-preset", "output": "float16"}
+    assert get_policy(partial) == get_policy("my-preset", output="float16")
+    with pytest.raises(PolicyError, match=r"built-in presets .*get_policy\(mapping\)"):
+        Policy.from_dict(partial)
+    assert Policy.from_dict(mine.to_dict()) == mine  # the full form needs no base

@@ -20,6 +20,7 @@ CAPS = Capabilities(
         DeviceCapability("cpu", ("float32", "bfloat16"), ("bfloat16",)),
         DeviceCapability("cuda:0", ("float32", "float16"), ("float16",)),
         DeviceCapability("slow:0", ("float32",)),
+        DeviceCapability("old:0", ("float32", "float16"), (), "no tensor cores (need 7.0)"),
     ),
 )
 
@@ -58,8 +59,17 @@ def test_a_device_without_fast_low_precision_runs_float32_with_a_warning() -> No
         assert resolve_for_device("auto", "fake", "meta", None) == get_policy("O0")
 
 
+def test_the_float32_warning_names_what_the_device_lacks() -> None:
+    with pytest.warns(MixprecWarning) as warned:
+        assert resolve_for_device("auto", "fake", "old:0", CAPS) == get_policy("O0")
+    assert "no fast float16/bfloat16 compute (no tensor cores (need 7.0)), so training" in str(
+        warned[0].message
+    )
+    assert CAPS.device("old").describe() == "old:0: float32, float16 — no tensor cores (need 7.0)"
+
+
 def test_an_unknown_device_is_refused_naming_the_known_ones(observer: Observer) -> None:
-    with pytest.raises(BackendNotAvailable, match="cpu, cuda:0, slow:0"):
+    with pytest.raises(BackendNotAvailable, match="cpu, cuda:0, slow:0, old:0"):
         resolve_for_device("O2", "fake", "tpu", CAPS)
     assert observer.seen == []
 

@@ -97,6 +97,50 @@ def test_every_run_reports_times_memory_scale_and_distance(fragile_report) -> No
     assert "RSS" in fragile_report.memory_measure
 
 
+class Overflowing(nn.Module):
+    """Issue 24's model: the Linear ``big`` puts out ~1e5, beyond float16's 65504, so O1 is
+    NaN from the first step; with ``path:big=float32`` it trains like float32, except that
+    its gradients overflow float16 at the scaler's first scale (65536): like any float16 run,
+    the dynamic scale backs off twice (to 16384) before its first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.big, self.norm, self.head = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.big.weight.mul_(3e5)
+            self.norm.weight.mul_(4.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.big(x)))
+
+
+def test_fp16_with_the_rule_is_recommended_when_its_only_skips_are_the_warm_up() -> None:
+    report = mpt.advise(Overflowing(), sgd, tiny_batches(), nn.functional.cross_entropy,
+                        candidates=["O1"], steps=4, progress=False)  # fmt: skip
+    tuned = "base=O1,path:big=float32"
+    assert report.rules == ["path:big=float32"] and report.tuned_policy == tuned
+    # judged on its numerics: the scaler's warm-up ran before the run and is not a skip
+    run = report.run(tuned)
+    assert (run.warmup_skips, run.initial_scale, run.skipped_steps) == (2, 16384.0, 0)
+    assert run.loss_scales == [16384.0] * 4 and run.loss_distance is not None
+    assert run.loss_distance < 0.01 * report.tolerance
+    assert report.recommended == tuned  # fp16 with the rule, whether or not fp16 is fast here
+    assert report.safest == tuned and report.fastest in ("O0", tuned)
+    # every run says why it lost, in the table, the JSON and the plots' labels
+    assert run.verdict == "recommended"
+    assert report.run("O1").verdict.startswith("rejected: its loss went inf/NaN")
+    assert report.run("O0").verdict.startswith("float32 reference")
+    table = report.table()
+    for text in ("warm-up: " + tuned + ": 4 calibration steps before the run, 2 skipped",
+                 "0 (+2 warm-up)", "rejected: its loss went inf/NaN", "recommended: " + tuned,
+                 "fastest here: ", "safest numerics: " + tuned):  # fmt: skip
+        assert text in table, text
+    data = json.loads(report.to_json())
+    assert [r["verdict"] for r in data["runs"]] == [r.verdict for r in report.runs]
+    assert (data["recommended"], data["safest"]) == (tuned, tuned)
+
+
 def test_users_model_optimizer_and_random_state_are_untouched() -> None:
     model = fragile_net()
     optimizer = sgd(model.parameters())

@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _LAZY = {
     "capabilities": "mixprec_numpy.devices",
+    "native_dtypes": "mixprec_numpy.native",
     "Tensor": "mixprec_numpy.casting",
     "cast": "mixprec_numpy.casting",
     "round_to_bfloat16": "mixprec_numpy.casting",
@@ -50,6 +51,7 @@ __all__ = [
     "cast",
     "conformance_adapter",
     "master_params",
+    "native_dtypes",
     "round_to_bfloat16",
     "softmax",
     "state",
@@ -62,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec_numpy.devices import capabilities
     from mixprec_numpy.layers import MLP, Linear, Parameter, ReLU, SoftmaxCrossEntropy, softmax
     from mixprec_numpy.loop import master_params, state, unscale_
+    from mixprec_numpy.native import native_dtypes
     from mixprec_numpy.optimizer import SGD
     from mixprec_numpy.trainer import Trainer
 

@@ -6,10 +6,11 @@ does lives in :mod:`mixprec_numpy`, which mixprec imports on first use.
 
 from __future__ import annotations
 
-from mixprec.backend import BackendInfo
+from mixprec.backend import BackendInfo, NativeDtypes
 from mixprec.hookspecs import hookimpl
+from mixprec.plugins import load_backend
 
-__all__ = ["mixprec_register_backends"]
+__all__ = ["mixprec_native_dtypes", "mixprec_register_backends"]
 
 
 @hookimpl
@@ -23,3 +24,13 @@ def mixprec_register_backends() -> list[BackendInfo]:
             description="NumPy reference backend: MLP with hand-written backward (plugin example)",
         )
     ]
+
+
+@hookimpl
+def mixprec_native_dtypes(backend: str, device: str, compute: str) -> NativeDtypes | None:
+    """NumPy's own type rules for the families this backend implements, for the precision
+    lockfile (see :mod:`mixprec_numpy.native`)."""
+    if backend != "numpy":
+        return None
+    answer: NativeDtypes = load_backend("numpy").native_dtypes(device, compute)
+    return answer

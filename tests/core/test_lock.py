@@ -1,0 +1,183 @@
+"""The precision lockfile, on the NumPy plugin's backend: a lock then a check is clean, a
+changed policy or framework is named op by op with the versions, and a damaged, cut, edited
+or foreign lock is refused with exit code 2 (no traceback)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import mixprec
+from mixprec import lock as locking
+from mixprec import plugins
+from mixprec.backend import NativeDtypes
+from mixprec.cli import main
+from mixprec.errors import BackendNotAvailable, LockError, PolicyError
+from mixprec.ops import OP_FAMILIES
+
+pytest.importorskip("mixprec_numpy")  # the NumPy plugin's backend is the one locked here
+
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
+
+
+def test_a_lock_records_every_op_versions_device_and_rules_and_checks_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "precision.lock"
+    lock = mixprec.write_lock("O1", "numpy", path)
+    assert set(OP_FAMILIES) <= set(lock.ops) and path.read_text() == lock.to_toml()
+    assert lock.versions["mixprec"] == mixprec.__version__
+    assert set(lock.versions) == {"mixprec", "numpy", "python"}
+    assert (lock.backend, lock.device, lock.lowp) == ("numpy", "cpu", "float16")
+    policy = mixprec.get_policy("O1")
+    for op in ("linear", "softmax", "relu", "add"):
+        decided = policy.decide(op, ["float16"])
+        assert (lock.ops[op].lowp, lock.ops[op].rule) == (decided.dtype, decided.rule)
+        assert lock.ops[op].float32 == policy.decide(op, ["float32"]).dtype
+    assert lock.ops["binary_cross_entropy"].lowp == "banned"
+    # NumPy's own type rules for what O1 passes through: float16 stays float16
+    assert (lock.ops["relu"].native_float32, lock.ops["relu"].native_lowp) == (
+        "float32",
+        "float16",
+    )
+    assert lock.ops["linear"].native_lowp is None  # decided by the policy, not NumPy
+    assert locking.read_lock(path) == lock
+    result = mixprec.check_lock(path)
+    assert result.ok and result.changes == [] and result.now == lock
+    assert main(["lock", "--check", str(path)]) == 0
+    assert "every op resolves as locked" in capsys.readouterr().out
+
+
+def test_a_changed_policy_file_is_named_op_by_op(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = tmp_path / "policies" / "mine.toml"
+    policy.parent.mkdir()
+    policy.write_text('base = "O1-bf16"\n')
+    out = tmp_path / "locks" / "mine.lock"
+    assert main(["lock", str(policy), "--backend", "numpy", "-o", str(out)]) == 0
+    assert f"{len(OP_FAMILIES)} ops of 'O1-bf16' locked" in capsys.readouterr().out
+    assert locking.read_lock(out).policy == "../policies/mine.toml"  # relative to the lock
+    policy.write_text('base = "O1-bf16"\nmove_ops = { lowp = ["layer_norm"] }\n')
+    result = mixprec.check_lock(out)
+    assert result.changes == [
+        "resolved: O1-bf16 -> base=O1-bf16,lowp+=layer_norm (same versions)",
+        "layer_norm: float32 -> bfloat16 for all inputs (same versions)",
+    ]
+    assert main(["lock", "--check", str(out)]) == 1
+    assert capsys.readouterr().out.splitlines()[:2] == result.changes
+
+
+class _NextNumpy:
+    """Answers the lockfile's hook as a later NumPy would: relu computes in float32."""
+
+    @mixprec.hookimpl(tryfirst=True)
+    def mixprec_native_dtypes(self, backend: str, device: str, compute: str) -> Any:
+        if backend != "numpy":
+            return None
+        answer = mixprec.load_backend("numpy").native_dtypes(device, compute)
+        dtypes = {**answer.dtypes, "relu": {"float32": "float32", compute: "float32"}}
+        return NativeDtypes(answer.source, dtypes)
+
+
+def test_a_framework_upgrade_is_named_with_the_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "o1.lock"
+    locked = mixprec.write_lock("O1", "numpy", path)
+    installed = locking._version
+    monkeypatch.setattr(locking, "_version", lambda d: "9.9.0" if d == "numpy" else installed(d))
+    plugins.register(_NextNumpy(), name="next-numpy")
+    result = mixprec.check_lock(path)
+    was = locked.versions["numpy"]
+    assert result.changes == [f"relu: float16 -> float32 natively (numpy {was} -> 9.9.0)"]
+    assert main(["lock", "--check", str(path)]) == 1
+    assert capsys.readouterr().out.strip() == result.changes[0]
+
+
+def _written(tmp_path: Path) -> Path:
+    path = tmp_path / "o1.lock"
+    mixprec.write_lock("O1", "numpy", path)
+    return path
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda p: p.write_text("not [ a lock"), "not valid TOML"),
+        (lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "TOML|checksum"),
+        (lambda p: p.write_text("\n".join(p.read_text().splitlines()[:40]) + "\n"), "checksum"),
+        (lambda p: p.write_text('base = "O1"\n'), "no \\[lock\\] table"),
+        (lambda p: _edit(p, 'lowp = "float32" }', 'lowp = "bfloat16" }'), "edited by hand"),
+        (lambda p: _edit(p, 'lowp = "float32" }', 'lowp = "bfloat17" }'), "not a dtype"),
+        (lambda p: _edit(p, 'backend = "numpy"', 'backend = "torch"'), "checksum"),
+        (lambda p: _edit(p, "format = 1", "format = 7"), "format 7"),
+        (lambda p: p.write_bytes(b"\xff\xfe\x00"), "cannot read"),
+    ],
+    ids=[
+        "garbage",
+        "cut",
+        "cut-at-a-line",
+        "a-policy",
+        "edited",
+        "no-dtype",
+        "backend",
+        "format",
+        "binary",
+    ],
+)
+def test_a_damaged_cut_or_edited_lock_is_refused(
+    tmp_path: Path, damage: Any, match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _written(tmp_path)
+    damage(path)
+    with pytest.raises(LockError, match=match):
+        mixprec.check_lock(path)
+    assert main(["lock", "--check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec: error: ") and "Traceback" not in err
+
+
+def test_a_lock_from_another_backend_an_unknown_policy_or_backend_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _written(tmp_path)
+    with pytest.raises(LockError, match="for the numpy backend, not torch"):
+        mixprec.check_lock(path, backend="torch")
+    assert main(["lock", "--check", str(path), "--backend", "torch"]) == 2
+    with pytest.raises(PolicyError, match="O7"):
+        mixprec.write_lock("O7", "numpy", tmp_path / "x.lock")
+    with pytest.raises(BackendNotAvailable, match="jax"):
+        mixprec.write_lock("O1", "jax", tmp_path / "x.lock")
+    assert main(["lock", "O7", "--backend", "numpy", "-o", str(tmp_path / "x.lock")]) == 2
+    assert main(["lock", "O1"]) == 2  # no backend
+    assert main(["lock", "O1", "--check", str(path)]) == 2  # both
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "needs POLICY and --backend" in err
+    assert not (tmp_path / "x.lock").exists()
+    gone = tmp_path / "gone.toml"
+    gone.write_text('base = "O1"\n')
+    mixprec.write_lock(gone, "numpy", tmp_path / "gone.lock")
+    gone.unlink()
+    with pytest.raises(PolicyError, match=r"gone\.toml"):
+        mixprec.check_lock(tmp_path / "gone.lock")
+
+
+def test_a_policy_object_and_auto_lock_as_their_resolved_policy(tmp_path: Path) -> None:
+    policy = mixprec.get_policy("O2-bf16").with_module("head", "float32", match="path")
+    lock = locking.make_lock(policy, "numpy")
+    assert lock.policy == lock.resolved == str(policy) and lock.native == ""  # O2 casts no op
+    assert all(op.native_lowp is None for op in lock.ops.values())
+    with pytest.warns(mixprec.MixprecWarning, match="float32"):  # nothing is fast in NumPy
+        auto = locking.make_lock("auto", "numpy")
+    assert auto.resolved == "O0"
+    assert dataclasses.replace(auto, policy="O0") == locking.make_lock("O0", "numpy")
