@@ -109,13 +109,13 @@ def fp8_statistics(
 ) -> Iterator[FP8Statistics]:
     """Record, while the block runs, the error every FP8 recipe would give each
     ``nn.Linear`` of ``model`` (see the module docstring); yields the
-    :class:`~mixprec.fp8_stats.FP8Statistics`, complete when the block ends::
+    :class:`~mixprec.fp8_stats.FP8Statistics`, complete when the block ends.
 
-        with mixprec.torch.fp8_statistics(model) as stats:
-            for x, y in batches[:10]:
-                train_step(x, y)
-        print(stats.table())
-        policy = mixprec.get_policy("O1-fp8").with_module(...)   # stats.rules("tensorwise")
+    Wrap a few training steps under any policy in ``with mixprec.torch.fp8_statistics(model)
+    as stats:``, then read ``stats.table()``, ``stats.fragile("tensorwise")`` (the layers
+    that recipe would hurt), ``stats.best_recipe(layer)`` and ``stats.rules("tensorwise")``
+    (the module rules, ``path:<layer>=bfloat16``, that keep those layers out of FP8). No
+    number of the run changes. The guide's "FP8" section has the example.
 
     :raises WrapError: ``model`` is not an ``nn.Module`` or has no ``nn.Linear``.
     :raises PolicyError: an unknown recipe.
