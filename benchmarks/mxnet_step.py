@@ -15,6 +15,12 @@ GELU, batch 256). Contenders:
 
 Every contender uses Adam (learning rate 1e-4) and ends its sample with ``mx.nd.waitall()``
 so that MXNet's asynchronous engine has finished the step before the clock stops.
+
+``python -m benchmarks.mxnet_step`` (run it pinned: ``OMP_NUM_THREADS=1
+MXNET_CPU_WORKER_NTHREADS=1 taskset -c 1``) times the in-process contenders in *CPU time*
+(``time.process_time``), round robin, and prints each one's median and the median of its
+per-round ratios to the fp32 Trainer: on a machine shared with other jobs the CPU time of a
+pinned single-threaded step moves far less than its wall time.
 """
 
 from __future__ import annotations
@@ -162,3 +168,41 @@ CASE = Case(
         "globally), so its ratios compare medians from two processes of the same run."
     ),
 )
+
+
+def cpu_time_ratios(kinds: list[str], contenders: list[str], reps: int) -> list[str]:
+    """Lines: each contender's median CPU time per step and ratio to the first contender."""
+    import statistics
+    import time
+
+    lines = []
+    for kind in kinds:
+        steps = {name: make_step(name, kind) for name in contenders}
+        for step in steps.values():
+            for _ in range(3):
+                step()
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(reps):
+            for name, step in steps.items():
+                start = time.process_time()
+                step()
+                times[name].append(time.process_time() - start)
+        base = times[contenders[0]]
+        for name, ts in times.items():
+            ratio = statistics.median(a / b for a, b in zip(ts, base, strict=True))
+            lines.append(
+                f"{kind}  {name:<18} {statistics.median(ts) * 1e3:7.1f} ms CPU (median of "
+                f"{reps}, min {min(ts) * 1e3:.1f})  {ratio:.3f}x {contenders[0]}"
+            )
+    return lines
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Gluon step CPU time, round robin")
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--reps", type=int, default=12)
+    args = parser.parse_args()
+    for line in cpu_time_ratios(args.models.split(","), list(IN_PROCESS), args.reps):
+        print(line)

@@ -26,9 +26,11 @@ from mxnet import autograd, gluon
 from mixprec.advice import AdviceReport, ModuleSensitivity
 from mixprec.advisor import RSS_MEASURE, AdviceError, run_advice
 from mixprec.backend import Capabilities
+from mixprec.dtypes import FLOAT32
 
 from .devices import capabilities, device_key
 from .diagnostics import underflow_fraction
+from .dtypes import cast
 from .trainer import Trainer
 
 __all__ = ["advise"]
@@ -37,7 +39,7 @@ LossFn = Callable[[Any, Any], Any]
 
 
 def _scalar(loss: Any) -> float:
-    return float(loss.astype("float32").mean().asscalar())  # asscalar waits for the device
+    return float(cast(loss, FLOAT32).mean().asscalar())  # asscalar waits for the device
 
 
 class _Trainee:
@@ -93,7 +95,10 @@ def _rel_error(low: Any, ref: Any) -> float:
 
 
 def _host(array: Any) -> Any:
-    return array.astype("float32").asnumpy()
+    # amp_cast, not astype: MXNet 1.9's Cast fails on a bfloat16 array in oneDNN's blocked
+    # layout (a Conv2D's output with 16+ channels on an AVX512-BF16 CPU): "The size of
+    # NDArray doesn't match the requested MKLDNN memory desc"
+    return cast(array, FLOAT32).asnumpy()
 
 
 class _MxTarget:
@@ -148,7 +153,7 @@ class _MxTarget:
         inputs, target = batch
         try:
             with autograd.record():
-                loss = self.loss_fn(net(inputs), target).astype("float32") * scale
+                loss = cast(self.loss_fn(net(inputs), target), FLOAT32) * scale
             loss.backward()
         finally:
             for handle in handles:

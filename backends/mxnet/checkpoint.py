@@ -1,4 +1,4 @@
-"""Saving and loading: parameters as float32 master values, trainer states with the scaler.
+"""Saving and loading parameters as float32 master values (trainer states: :mod:`.states`).
 
 - ``net.save_parameters(f)`` (patched on the net the Trainer converted) and
   ``trainer.save_parameters(f)`` write every parameter in float32: the master where the
@@ -9,11 +9,10 @@
   continues from exactly the values an uninterrupted run had.
 - Both files are written atomically (:mod:`mixprec.atomic`: a temporary file in the same
   folder, fsync, rename): a save killed or failing half-way leaves the previous file whole.
-- ``trainer.save_states(f)`` pickles the optimizer state (MXNet's own format, over the
-  masters), the loss-scaler state and the policy (and under ``master=kahan|stochastic`` the
-  exact compensation and the random stream); ``load_states`` refuses a file saved under
-  another policy. Optimizer state is matched to parameters by the names above, so a net
-  whose Gluon names (``dense3_weight``) differ from the saved one's resumes all the same.
+- Every load reads and checks the whole file (names and shapes) before it changes anything:
+  a file refused with :class:`~mixprec.errors.CheckpointError` leaves the net and the
+  masters as they were, also before the Trainer has made its masters (Gluon's own loader
+  runs then, and would stop half-way at a wrong shape).
 - Under ``master=kahan`` the float32 value saved for a bfloat16 weight is ``w + c``, the
   best the strategy knows; loading it splits it again (:mod:`.compensation`).
 """
@@ -21,65 +20,55 @@
 from __future__ import annotations
 
 import functools
-import pickle
-import warnings
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import mxnet as mx
 from mxnet import gluon, nd
 
-from mixprec.atomic import atomic_path, atomic_write_bytes
-from mixprec.dtypes import FLOAT32
-from mixprec.errors import CheckpointError, MixprecError, MixprecWarning
-from mixprec.policy import Policy
-from mixprec.scaler import LossScaler
+from mixprec.atomic import atomic_path
+from mixprec.errors import CheckpointError
 
-from .dtypes import cast, cast_into
-from .gluon_private import params_with_prefix, reindex_update_counts
+from .dtypes import cast_into
+from .trainer_state import TrainerState, float32_value, named_params
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
-
-__all__ = ["load_parameters", "load_states", "patch_net", "save_parameters", "save_states"]
-
-STATES_FORMAT = "mixprec-mxnet-states/1"
+__all__ = ["check_written", "load_parameters", "patch_net", "save_arrays", "save_parameters"]
 
 
-def patch_net(net: gluon.Block, trainer: Trainer) -> None:
+def patch_net(net: gluon.Block, trainer: TrainerState) -> None:
     """Make ``net.save_parameters``/``load_parameters`` go through ``trainer`` (this net only)."""
     net.save_parameters = functools.partial(save_parameters, trainer)
     net.load_parameters = functools.partial(load_parameters, trainer)
 
 
-def _named_params(trainer: Trainer) -> dict[str, gluon.Parameter]:
-    net = trainer._net
-    if net is not None:
-        return params_with_prefix(net)
-    return {p.name: p for p in trainer._params}
-
-
-def float32_value(trainer: Trainer, param: gluon.Parameter) -> nd.NDArray:
-    """``param``'s value in float32 on the CPU: its master's, or its own upcast exactly."""
-    source = param if trainer.masters is None else trainer.masters.master_for(param)
-    return cast(source.list_data()[0], FLOAT32).copyto(mx.cpu())
-
-
-def save_parameters(trainer: Trainer, filename: str, deduplicate: bool = False) -> None:
+def save_parameters(trainer: TrainerState, filename: str, deduplicate: bool = False) -> None:
     """Write the parameters as float32 values, keyed like ``Block.save_parameters``."""
-    params = _named_params(trainer)
+    params = named_params(trainer)
     if deduplicate:
         first = {id(p): name for name, p in reversed(list(params.items()))}
         params = {name: p for name, p in params.items() if first[id(p)] == name}
     values = {name: float32_value(trainer, p) for name, p in params.items()}
     with atomic_path(filename) as tmp:
-        nd.save(tmp, values)
-        _check_written(tmp, values, filename)
+        save_arrays(tmp, values, filename)
 
 
-def _check_written(tmp: str, values: dict[str, nd.NDArray], filename: str) -> None:
-    """Read the temporary file back: MXNet's writer ignores failed writes (a full disk
-    leaves a short file and no error), and a short file must never replace a good one."""
+def save_arrays(tmp: str, values: Mapping[str, nd.NDArray], filename: str) -> None:
+    """``nd.save`` into the temporary file ``tmp`` of an atomic save of ``filename``, then
+    read it back (:func:`check_written`); a failed write is an ``OSError``."""
+    try:
+        nd.save(tmp, dict(values))
+    except mx.base.MXNetError as err:
+        raise OSError(
+            f"saving {filename!r} failed ({str(err).splitlines()[-1].strip()}); the previous "
+            "file is left as it was"
+        ) from err
+    check_written(tmp, values, filename)
+
+
+def check_written(tmp: str, values: Mapping[str, nd.NDArray], filename: str) -> None:
+    """Read the temporary file back: MXNet's writer ignores some failed writes (a full disk
+    can leave a short file and no error), and a short file must never replace a good one."""
     try:
         back = nd.load(tmp)
         whole = isinstance(back, dict) and {k: v.shape for k, v in back.items()} == {
@@ -89,21 +78,23 @@ def _check_written(tmp: str, values: dict[str, nd.NDArray], filename: str) -> No
         whole = False
     if not whole:
         raise OSError(
-            f"saving {filename!r} failed: the parameter file was not written whole (is the "
+            f"saving {filename!r} failed: the file was not written whole (is the "
             "disk full?); the previous file is left as it was"
         )
 
 
-def check_shape(param: gluon.Parameter, value: nd.NDArray) -> None:
-    """Refuse a saved value whose shape is not ``param``'s."""
-    if tuple(value.shape) != tuple(param.shape):
+def check_shape(param: gluon.Parameter, value: nd.NDArray, name: str | None = None) -> None:
+    """Refuse a saved value whose shape is not ``param``'s (a deferred parameter's unknown
+    dimensions, 0, match any size); ``name``: the file's name for it."""
+    shape, saved = tuple(param.shape or ()), tuple(value.shape)
+    if len(shape) != len(saved) or any(d not in (0, s) for d, s in zip(shape, saved, strict=True)):
         raise CheckpointError(
-            f"parameter {param.name!r} has shape {param.shape} but the file holds "
+            f"parameter {name or param.name!r} has shape {param.shape} but the file holds "
             f"{value.shape}; load a checkpoint saved from the same net"
         )
 
 
-def set_value(trainer: Trainer, param: gluon.Parameter, value: nd.NDArray) -> None:
+def set_value(trainer: TrainerState, param: gluon.Parameter, value: nd.NDArray) -> None:
     """Write ``value`` into ``param``'s master on every context, then cast it into ``param``."""
     check_shape(param, value)
     master = param if trainer.masters is None else trainer.masters.master_for(param)
@@ -115,7 +106,7 @@ def set_value(trainer: Trainer, param: gluon.Parameter, value: nd.NDArray) -> No
 
 
 def load_parameters(
-    trainer: Trainer,
+    trainer: TrainerState,
     filename: str,
     ctx: Any = None,
     allow_missing: bool = False,
@@ -131,13 +122,14 @@ def load_parameters(
     with :class:`CheckpointError` leaves the model and the masters as they were.
     """
     loaded = _read_parameters(filename)
-    params = _named_params(trainer)
+    params = named_params(trainer)
     net = trainer._net
     if trainer.masters is None:
         # before the masters exist Gluon's own loader runs; it reads a file without dotted
         # names as a legacy one, under other names: check only what it checks by our names
         if net is None or any("." in name for name in loaded):
-            _match(loaded, params, filename, allow_missing, ignore_extra)
+            for name, param, value in _match(loaded, params, filename, allow_missing, ignore_extra):
+                check_shape(param, value, name)  # Gluon's loader would stop half-way
         if net is not None:
             type(net).load_parameters(
                 net, filename, ctx, allow_missing, ignore_extra, cast_dtype, dtype_source
@@ -154,10 +146,10 @@ def load_parameters(
                 dtype_source=dtype_source,
             )
         return
-    pairs = _match(loaded, params, filename, allow_missing, ignore_extra)
-    for param, value in pairs:
-        check_shape(param, value)
-    for param, value in pairs:
+    found = _match(loaded, params, filename, allow_missing, ignore_extra)
+    for name, param, value in found:
+        check_shape(param, value, name)
+    for _, param, value in found:
         set_value(trainer, param, value)
 
 
@@ -180,8 +172,8 @@ def _match(
     filename: str,
     allow_missing: bool,
     ignore_extra: bool,
-) -> list[tuple[gluon.Parameter, nd.NDArray]]:
-    """(parameter, saved value) pairs, after refusing missing and unknown names."""
+) -> list[tuple[str, gluon.Parameter, nd.NDArray]]:
+    """(name, parameter, saved value) triples, after refusing missing and unknown names."""
     if not allow_missing:
         names = defaultdict(list)
         for name, param in params.items():
@@ -198,155 +190,10 @@ def _match(
             f"{filename!r} holds parameter {extra[0]!r}, which this net does not have; pass "
             "ignore_extra=True to ignore it"
         )
-    return [(params[name], value) for name, value in loaded.items() if name in params]
+    return [(name, params[name], value) for name, value in loaded.items() if name in params]
 
 
-def _as_dict(trainer: Trainer) -> gluon.ParameterDict:
+def _as_dict(trainer: TrainerState) -> gluon.ParameterDict:
     params = gluon.ParameterDict()
     params.update({p.name: p for p in trainer._params})
     return params
-
-
-def save_states(trainer: Trainer, filename: str) -> None:
-    """Pickle the optimizer state, the loss-scaler state and the policy to ``filename``."""
-    blob = {
-        "format": STATES_FORMAT,
-        "optimizer": trainer._updaters[0].get_states(dump_optimizer=True),
-        "scaler": trainer.scaler.state_dict(),
-        "policy": trainer.policy.to_dict(),
-        "names": param_names(trainer),
-    }
-    if trainer._compensation is not None:  # the exact compensation and the random stream
-        blob["compensation"] = trainer._compensation.state_dict(_names_by_id(trainer))
-    atomic_write_bytes(filename, pickle.dumps(blob))
-
-
-def load_states(trainer: Trainer, filename: str) -> None:
-    """Restore what :func:`save_states` wrote into ``trainer`` (whose policy must match).
-
-    The whole file is read and checked first (format, policy, loss-scaler state, optimizer
-    state); a file refused with :class:`CheckpointError` changes nothing.
-    """
-    with open(filename, "rb") as f:
-        raw = f.read()
-    blob = _unpickle(raw, filename, "trainer states")
-    scaler_state = None
-    if isinstance(blob, dict) and blob.get("format") == STATES_FORMAT:
-        missing = sorted({"optimizer", "scaler", "policy"} - set(blob))
-        if missing:
-            raise CheckpointError(
-                f"{filename!r} is a mixprec states file without {missing}; it is damaged: "
-                "save it again with trainer.save_states()"
-            )
-        try:
-            saved = Policy.from_dict(blob["policy"])
-        except (MixprecError, TypeError, ValueError, AttributeError) as err:
-            raise CheckpointError(f"{filename!r} holds a malformed policy: {err}") from err
-        if saved != trainer.policy:
-            raise CheckpointError(
-                f"{filename!r} was saved under policy {saved} but this Trainer runs "
-                f"{trainer.policy}; build the Trainer with policy={str(saved)!r} to resume"
-            )
-        states = blob["optimizer"]
-        scaler_state = blob["scaler"]
-        # a probe takes the state first: a malformed one raises before the scaler changes
-        LossScaler(trainer.scaler.state.fresh()).load_state_dict(scaler_state)
-    else:
-        warnings.warn(
-            f"{filename!r} is a plain gluon.Trainer states file: the optimizer state is loaded "
-            "but the loss scale starts afresh (trainer.save_states() also saves it)",
-            MixprecWarning,
-            stacklevel=3,
-        )
-        states = raw
-    _check_optimizer_states(states, len(trainer._params), filename)
-    if scaler_state is not None:  # a mixprec file: its optimizer state may need renumbering
-        new_index = _new_indices(blob.get("names"), param_names(trainer))
-        if new_index:
-            states = _reindexed(states, new_index)
-    compensation = trainer._compensation
-    names = _names_by_id(trainer)
-    if compensation is not None:
-        compensation.check_state_dict(blob.get("compensation"), filename, names)
-    if scaler_state is not None:
-        trainer.scaler.load_state_dict(scaler_state)
-    if compensation is not None:
-        compensation.load_state_dict(blob["compensation"], names)
-    for updater in trainer._updaters:
-        updater.set_states(states)
-        updater.optimizer = trainer._updaters[0].optimizer
-    trainer._optimizer = trainer._updaters[0].optimizer
-    trainer._optimizer.param_dict = dict(enumerate(trainer._params))
-
-
-def param_names(trainer: Trainer) -> list[str]:
-    """The name ``save_parameters`` keys each of the trainer's parameters by (``"0.weight"``),
-    in the trainer's index order."""
-    names = _names_by_id(trainer)
-    return [names.get(id(p), p.name) for p in trainer._params]
-
-
-def _names_by_id(trainer: Trainer) -> dict[int, str]:
-    first: dict[int, str] = {}
-    for name, param in _named_params(trainer).items():
-        first.setdefault(id(param), name)  # a shared parameter keeps its first name
-    return first
-
-
-def _new_indices(saved: Any, current: list[str]) -> dict[int, int] | None:
-    """``{saved index: index here}`` when the same parameters are numbered differently here
-    (``gluon.Trainer`` sorts them by global names, which differ between two nets of one
-    architecture built in one process); None when nothing moves or the names do not match."""
-    if not isinstance(saved, list) or sorted(saved) != sorted(current) or saved == current:
-        return None
-    here = {name: i for i, name in enumerate(current)}
-    return {i: here[name] for i, name in enumerate(saved)}
-
-
-def _reindexed(states: bytes, new_index: dict[int, int]) -> bytes:
-    """Optimizer state (``Updater.get_states`` bytes, checked) with its per-parameter states
-    and update counts moved to the indices this trainer gives the same parameters."""
-    inner = pickle.loads(states)
-    if isinstance(inner, tuple):
-        per_param, optimizer = inner
-        reindex_update_counts(optimizer, new_index)
-        return pickle.dumps(({new_index.get(k, k): v for k, v in per_param.items()}, optimizer))
-    return pickle.dumps({new_index.get(k, k): v for k, v in inner.items()})
-
-
-def _unpickle(raw: bytes, filename: str, what: str) -> Any:
-    try:
-        return pickle.loads(raw)
-    except Exception as err:  # a damaged pickle raises anything from EOFError to KeyError
-        raise CheckpointError(
-            f"{filename!r} is not a readable {what} file ({type(err).__name__}: {err}); it is "
-            "truncated or damaged: load an earlier checkpoint"
-        ) from err
-
-
-def _check_optimizer_states(states: Any, count: int, filename: str) -> None:
-    """Refuse optimizer state that ``Updater.set_states`` would choke on, before any change."""
-    if not isinstance(states, bytes):
-        raise CheckpointError(
-            f"{filename!r} holds optimizer state of type {type(states).__name__}, not the "
-            "bytes Updater.get_states() returns; save it again with trainer.save_states()"
-        )
-    inner = _unpickle(states, filename, "optimizer state")
-    if isinstance(inner, tuple) and len(inner) == 2:
-        inner, optimizer = inner
-        if not isinstance(optimizer, mx.optimizer.Optimizer):
-            raise CheckpointError(
-                f"{filename!r} holds a {type(optimizer).__name__} where the optimizer should "
-                "be; save it again with trainer.save_states()"
-            )
-    if not isinstance(inner, dict):
-        raise CheckpointError(
-            f"{filename!r} holds optimizer state of type {type(inner).__name__}, not a dict "
-            "of per-parameter states; save it again with trainer.save_states()"
-        )
-    unknown = sorted(k for k in inner if not isinstance(k, int) or not 0 <= k < count)
-    if unknown:
-        raise CheckpointError(
-            f"{filename!r} holds optimizer state for parameter indices {unknown[:6]}, but this "
-            f"Trainer has {count} parameters; load states saved by a Trainer over the same net"
-        )

@@ -8,9 +8,9 @@ computed in; :class:`MXNetConformanceTrainer` is a two-layer net under
 
 from __future__ import annotations
 
+import base64
 import json
 import os
-import pickle
 import tempfile
 from collections.abc import Callable, Collection
 from typing import Any
@@ -205,11 +205,14 @@ class MXNetConformanceTrainer:
             params, states = os.path.join(tmp, "net.params"), os.path.join(tmp, "trainer.states")
             self.net.save_parameters(params)
             self.trainer.save_states(states)
-            return pickle.dumps({"params": _read(params), "states": _read(states)})
+            files = {"params": _read(params), "states": _read(states)}
+            return json.dumps(
+                {k: base64.b64encode(v).decode("ascii") for k, v in files.items()}
+            ).encode()
 
     def restore(self, blob: bytes) -> None:
         """Load a checkpoint blob the way a user resumes."""
-        files = pickle.loads(blob)
+        files = {k: base64.b64decode(v) for k, v in json.loads(blob).items()}
         with tempfile.TemporaryDirectory() as tmp:
             params, states = os.path.join(tmp, "net.params"), os.path.join(tmp, "trainer.states")
             _write(params, files["params"])

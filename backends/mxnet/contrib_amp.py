@@ -42,10 +42,10 @@ from mixprec.errors import StepOrderError, WrapError
 
 from .contrib_amp_lists import Conditional, current_policy, policy_for
 from .devices import device_key, resolve_policy
-from .gluon_private import children, gluon_trainer_args, has_stepped
+from .gluon_private import cached_graph, children, gluon_trainer_args, has_stepped, retrace_graph
 from .graph import install_graph_pass, reduce_precision
 from .kernels import warn_islands
-from .ops import amp_lists, island_natives
+from .ops import amp_lists
 from .trainer import Trainer
 
 __all__ = [
@@ -241,8 +241,10 @@ def convert_hybrid_block(
 
     Unlike MXNet, which returns a new ``SymbolBlock`` holding copies of the parameters, the
     block is converted *in place* (its graph is cast when traced; parameters stay float32
-    and stay trainable), and it need not have run before. With ``ctx`` its parameters move
-    there first. float16 on a CPU context is refused (MXNet has no float16 GEMM there).
+    and stay trainable), and it need not have run before. A block that has run (MXNet's
+    precondition) gets its converted graph at once, for float32 inputs as MXNet's does, so
+    ``block.export(...)`` works before the next forward pass. With ``ctx`` its parameters
+    move there first. float16 on a CPU context is refused (MXNet has no float16 GEMM there).
 
     :raises WrapError: not a HybridBlock, ``excluded_sym_names``, ``cast_optional_params``.
     :raises UnsupportedDtypeError: ``target_dtype`` cannot run on the block's context.
@@ -260,8 +262,11 @@ def convert_hybrid_block(
     if ctx is not None:
         params.reset_ctx(ctx)
     device = device_key(contexts[0])
+    traced = bool(cached_graph(block))
     install_graph_pass(block, policy, device)
-    warn_islands(policy.label, island_natives(policy.compute, device))
+    if traced:  # as MXNet's converted block, it exports before another forward pass
+        retrace_graph(block)
+    warn_islands(policy.label, policy.compute, device)
     return block
 
 

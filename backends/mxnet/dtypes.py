@@ -25,6 +25,7 @@ __all__ = [
     "BFLOAT16_NP",
     "cast",
     "cast_into",
+    "default_layout",
     "dtype_name",
     "dtype_of",
     "is_floating",
@@ -114,3 +115,16 @@ def cast_into(array: nd.NDArray, out: nd.NDArray) -> nd.NDArray:
         array.copyto(out)
         return out
     return nd.amp_cast(array, dtype=out.dtype, out=out)
+
+
+def default_layout(array: nd.NDArray) -> nd.NDArray:
+    """A copy of ``array`` in MXNet's default (plain) layout, for a one-time cast of weights.
+
+    An inference-mode forward pass (``net(x)`` outside ``autograd.record()``) makes oneDNN
+    reorder a convolution's weight array in place into its blocked layout, and MXNet 1.9's
+    ``amp_cast`` fails on the grouped-convolution ones (depthwise, as in mobilenet): "could
+    not create a primitive descriptor for a reorder primitive". ``copy`` writes the plain
+    layout. Only for casts made once (parameters cast at Trainer construction, masters made),
+    not per step.
+    """
+    return array.copy()

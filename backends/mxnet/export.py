@@ -12,38 +12,40 @@ The Trainer patches ``net.export`` with :func:`export`:
 - ``dtype="bfloat16"``: the trained graph as it runs, casts included, with the input cast to
   the policy's ``param`` dtype and the outputs cast to float32 inside the graph, and the
   parameters in their model dtypes: float32 in, float32 out, the trained net's exact compute.
+
+Each of the two files is written atomically (:mod:`mixprec.atomic`): an export that fails
+half-way (a full disk) leaves the previous files whole.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mxnet as mx
 from mxnet import gluon, nd
 
+from mixprec.atomic import atomic_path, atomic_write_text
 from mixprec.dtypes import FLOAT32, is_low_precision
 from mixprec.errors import CheckpointError
 
-from .checkpoint import float32_value
+from .checkpoint import save_arrays
 from .dtypes import mx_dtype
 from .gluon_private import cached_graph, compose
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from .trainer_state import TrainerState, float32_value
 
 __all__ = ["export", "patch_export"]
 
 
-def patch_export(net: gluon.Block, trainer: Trainer) -> None:
+def patch_export(net: gluon.Block, trainer: TrainerState) -> None:
     """Make ``net.export`` go through :func:`export` (this net only; HybridBlocks only)."""
     if isinstance(net, gluon.HybridBlock):
         net.export = functools.partial(export, trainer)
 
 
 def export(
-    trainer: Trainer,
+    trainer: TrainerState,
     path: str,
     epoch: int = 0,
     remove_amp_cast: bool = True,
@@ -72,7 +74,9 @@ def export(
         sym = _without_casts(sym)
     else:  # the casts kept: the outputs (the islands' cast back) still leave in float32
         sym = _cast_outputs(sym, FLOAT32)
-    sym.save(f"{path}-symbol.json", remove_amp_cast=remove_amp_cast and not lowp)
+    # written by Python, not Symbol.save: MXNet's writer leaves a short file on a full disk
+    text = sym.tojson(remove_amp_cast=remove_amp_cast and not lowp)
+    atomic_write_text(f"{path}-symbol.json", text)
     args, aux = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arrays: dict[str, nd.NDArray] = {}
     for param in net.collect_params().values():  # type: ignore[union-attr]
@@ -81,7 +85,9 @@ def export(
             arrays[f"arg:{param.name}"] = value
         elif param.name in aux:
             arrays[f"aux:{param.name}"] = value
-    nd.save(f"{path}-{epoch:04d}.params", arrays)
+    target = f"{path}-{epoch:04d}.params"
+    with atomic_path(target) as tmp:
+        save_arrays(tmp, arrays, target)
 
 
 def _cast_boundary(sym: Any, data_names: list[str], dtype: str) -> Any:

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from mxnet import gluon
+from mxnet import gluon, nd
 from mxnet.base import _LIB, SymbolHandle, c_array_buf, c_str_array, check_call, mx_uint
 from mxnet.ndarray import _DTYPE_MX_TO_NP, _DTYPE_NP_TO_MX, NDArray
 from mxnet.symbol import Symbol
@@ -35,6 +35,7 @@ __all__ = [
     "clear_cached_graph",
     "compose",
     "consume_fresh_grad",
+    "deferred_state",
     "dense_embedding_grad",
     "dtype_from_type_code",
     "finish_deferred_init",
@@ -52,17 +53,22 @@ __all__ = [
     "own_params",
     "params_with_prefix",
     "reduce_precision_symbol",
-    "reindex_update_counts",
     "replace_param_data",
+    "restore_deferred_state",
+    "retrace_graph",
     "set_cached_graph",
+    "set_update_counts",
     "type_code",
+    "update_counts",
 ]
 
 #: ``HybridBlock`` internals: ``_children`` and ``_reg_params`` are a block's sub-blocks and
 #: own parameters (Gluon 1.x exposes only the recursive ``collect_params``); ``_cached_graph``,
 #: ``_get_graph``, ``_clear_cached_op`` and ``_active`` let O1 install the converted graph in
 #: the user's own net (``amp.convert_hybrid_block`` returns a copy instead);
-#: ``_collect_params_with_prefix`` gives the names ``save_parameters`` writes.
+#: ``_collect_params_with_prefix`` gives the names ``save_parameters`` writes; ``_in_format``
+#: is the structure of the inputs of the last traced call and ``_build_cache`` traces and
+#: caches the graph for inputs of that structure (``export`` before the next forward).
 BLOCK_STATE = (
     "_children",
     "_reg_params",
@@ -71,13 +77,16 @@ BLOCK_STATE = (
     "_clear_cached_op",
     "_active",
     "_collect_params_with_prefix",
+    "_in_format",
+    "_build_cache",
 )
 
 #: ``Parameter`` internals: ``_grad`` tells whether gradient buffers exist (as
 #: ``ParameterDict.zero_grad`` asks); ``_data``/``_dtype``/``_init_grad`` cast a parameter with
 #: round-to-nearest (``Parameter.cast`` truncates through ``astype``); ``_deferred_init``,
 #: ``_finish_deferred_init`` and ``_init_impl`` finish shapes before the first cast and create
-#: masters; ``_stype``/``_grad_stype`` detect sparse parameters, which need the kvstore update.
+#: masters; ``_stype``/``_grad_stype`` detect sparse parameters, which need the kvstore update;
+#: ``_shape``/``_ctx_list``/``_ctx_map`` are put back with them after a failed first forward.
 PARAMETER_STATE = (
     "_data",
     "_dtype",
@@ -88,6 +97,9 @@ PARAMETER_STATE = (
     "_init_impl",
     "_stype",
     "_grad_stype",
+    "_shape",
+    "_ctx_list",
+    "_ctx_map",
 )
 
 #: ``NDArray._fresh_grad``: gluon.Trainer's stale-gradient check, which a skipped step must
@@ -219,6 +231,26 @@ def install_traced_graph(net: gluon.HybridBlock, convert: Any) -> None:
         net.hybridize()
 
 
+def retrace_graph(block: gluon.HybridBlock) -> None:
+    """Trace and cache ``block``'s graph again, for float32 inputs structured as those of the
+    call that traced it last (a conversion cleared the graph; ``export`` needs the graph and
+    the parameter list ``_build_cache`` makes, before a forward).
+
+    Why private: a traced graph depends only on the inputs' structure, which Gluon keeps in
+    ``_in_format``; ``_build_cache`` traces with placeholders of that structure (the
+    parameters are initialised already, so their values are not read).
+    """
+
+    def build(fmt: Any) -> Any:
+        if isinstance(fmt, int):
+            if fmt == 0:
+                return nd.zeros((1,))
+            return None if fmt == -1 else [nd.zeros((1,)) for _ in range(fmt)]
+        return [build(f) for f in fmt]
+
+    block._build_cache(*build(block._in_format))
+
+
 def compose(sym: Symbol, **inputs: Symbol) -> Symbol:
     """A copy of ``sym`` with the named inputs replaced (``Symbol._compose`` on a copy)."""
     sym = sym.__copy__()
@@ -249,6 +281,29 @@ def is_active(block: gluon.HybridBlock) -> bool:
 def is_deferred(param: gluon.Parameter) -> bool:
     """Whether ``param`` still waits for its shape (deferred initialisation)."""
     return bool(param._deferred_init)
+
+
+#: What a deferred parameter's initialisation changes (shape, data, gradients, contexts).
+_DEFERRED_FIELDS = ("_shape", "_deferred_init", "_data", "_grad", "_ctx_list", "_ctx_map")
+
+
+def deferred_state(
+    params: Sequence[gluon.Parameter],
+) -> list[tuple[gluon.Parameter, dict[str, Any]]]:
+    """What :func:`restore_deferred_state` needs to undo a failed shape inference.
+
+    Why private: a shape inference that fails half-way (the first input does not fit the
+    net) leaves some parameters initialised with the wrong shapes; Gluon has no way back to
+    "deferred", so the fields it changed are put back.
+    """
+    return [(p, {name: getattr(p, name, None) for name in _DEFERRED_FIELDS}) for p in params]
+
+
+def restore_deferred_state(states: Sequence[tuple[gluon.Parameter, dict[str, Any]]]) -> None:
+    """Put deferred parameters back as :func:`deferred_state` found them."""
+    for param, fields in states:
+        for name, value in fields.items():
+            setattr(param, name, value)
 
 
 def finish_deferred_init(param: gluon.Parameter) -> None:
@@ -283,20 +338,24 @@ def optimizer_step(optimizer: Any, index: int) -> tuple[float, float, int]:
     return float(optimizer._get_lr(index)), float(optimizer._get_wd(index)), int(t)
 
 
-def reindex_update_counts(optimizer: Any, new_index: dict[int, int]) -> None:
-    """Move an optimizer's per-parameter update counts (Adam's step ``t``) from the old
-    parameter indices to ``new_index[old]``, on every device.
+def update_counts(optimizer: Any) -> dict[int, dict[int, int]]:
+    """An optimizer's per-parameter update counts (Adam's step ``t``), ``{device: {index:
+    count}}``: the live dicts, which :func:`set_update_counts` fills in place.
 
-    Why private: MXNet keys the counts by parameter index in ``_all_index_update_counts``
-    (``_index_update_count`` is the current device's dict) and offers no way to renumber
-    them; ``load_states`` needs it when ``gluon.Trainer`` numbered the same parameters
-    differently (it sorts them by their global names, which depend on how many blocks the
-    process has made).
+    Why private: MXNet keeps them only in ``_all_index_update_counts`` (with
+    ``_index_update_count`` an alias of the current device's dict); a resumed Adam needs them.
     """
-    for counts in optimizer._all_index_update_counts.values():
-        moved = {new_index.get(k, k): v for k, v in counts.items()}
-        counts.clear()
-        counts.update(moved)
+    return optimizer._all_index_update_counts  # type: ignore[no-any-return]
+
+
+def set_update_counts(optimizer: Any, counts: dict[int, dict[int, int]]) -> None:
+    """Replace an optimizer's update counts by ``counts``, keeping each device's dict (the
+    current device's is aliased by ``_index_update_count``)."""
+    live = optimizer._all_index_update_counts
+    for device in list(live):
+        live[device].clear()
+    for device, per_index in counts.items():
+        live.setdefault(device, {}).update(per_index)
 
 
 def dense_embedding_grad(block: gluon.nn.Embedding) -> bool:

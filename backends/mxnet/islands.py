@@ -51,11 +51,13 @@ __all__ = [
     "IslandOps",
     "block_natives",
     "chained_islands",
+    "converting",
     "enter",
     "install_op_islands",
     "island_call",
     "layout_call",
     "leave",
+    "unconverted",
 ]
 
 #: Gluon layer class -> the native op its ``hybrid_forward`` calls, for the dtype report.
@@ -76,7 +78,7 @@ _LAYER_OPS = {
 #: Ops whose other inputs MXNet requires in float32 (BatchNorm's gamma/beta/statistics, the
 #: last two updated in place): only their data input is cast, so the statistics stay the
 #: parameters' own arrays and not a temporary copy.
-DATA_ONLY_OPS = frozenset({"BatchNorm", "_contrib_SyncBatchNorm"})
+DATA_ONLY_OPS = frozenset({"BatchNorm", "_contrib_BatchNormWithReLU", "_contrib_SyncBatchNorm"})
 
 #: Ops that only move elements (no arithmetic): casting commutes with them bit for bit, so
 #: between two islands they run on the float32 value and the chain goes on through them.
@@ -84,6 +86,27 @@ LAYOUT_OPS = frozenset(
     {"Flatten", "flatten", "Reshape", "reshape", "transpose", "expand_dims", "squeeze"}
     | {"SwapAxis", "swapaxes"}
 )
+
+#: False inside :func:`unconverted`: islands and casts pass everything through unchanged.
+_CONVERTING: ContextVar[bool] = ContextVar("mixprec_converting", default=True)
+
+
+@contextlib.contextmanager
+def unconverted() -> Iterator[None]:
+    """Run the net as it was before the conversion (float32 throughout): the Trainer's
+    shape-inference pass over a plain ``Block`` with deferred shapes, whose weights are still
+    float32 then."""
+    token = _CONVERTING.set(False)
+    try:
+        yield
+    finally:
+        _CONVERTING.reset(token)
+
+
+def converting() -> bool:
+    """Whether the policy's casts apply now (False inside :func:`unconverted`)."""
+    return _CONVERTING.get()
+
 
 #: Within :func:`chained_islands`: ``id(cast back) -> (cast back, float32 value, dtype)`` for
 #: each island output cast back in this forward call (holding both keeps the ids unique).
@@ -221,6 +244,8 @@ def install_op_islands(block: gluon.Block, ops: Collection[str], dtype: str) -> 
     hybrid_forward = block.hybrid_forward
 
     def with_islands(F: Any, *args: Any, **params: Any) -> Any:
+        if not converting():
+            return hybrid_forward(F, *args, **params)
         return hybrid_forward(IslandOps(F, ops, dtype), *args, **params)
 
     block.hybrid_forward = with_islands

@@ -26,9 +26,10 @@ from mixprec.lint import check_scaler_without_masters
 from mixprec.masters import MasterWeights
 
 from . import distributed
+from .accumulation import Accumulation
 from .casting import cast_param
 from .compensation import Compensation, compensated_pairs
-from .dtypes import cast, cast_into, dtype_name, mx_dtype
+from .dtypes import cast, cast_into, default_layout, dtype_name, mx_dtype
 from .gluon_private import init_from, is_deferred, params_with_prefix
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class MasterSetup:
     policy: Policy
     masters: MasterWeights[gluon.Parameter] | None
     _compensation: Compensation | None
+    _accumulation: Accumulation
     _seed: int
     _net: gluon.Block | None
     _plan: list[tuple[gluon.Parameter, str]]
@@ -79,6 +81,7 @@ class MasterSetup:
         )
         for param, dtype in self._plan:
             cast_param(param, dtype)
+        self._accumulation.track(self.masters.pairs)
         if strategy is not None:  # the masters still hold the exact float32 values here
             # in the net's order, not gluon.Trainer's (sorted by global names, which differ
             # between two copies of a net): the random stream must follow the parameters
@@ -102,7 +105,8 @@ class MasterSetup:
     def _make_master(self, param: gluon.Parameter) -> gluon.Parameter:
         dtype = FLOAT32 if self._transient else self.policy.master or FLOAT32
         master = gluon.Parameter(param.name, shape=param.shape, dtype=mx_dtype(dtype))
-        init_from(master, cast(param.list_data()[0], dtype), param.list_ctx())
+        value = cast(default_layout(param.list_data()[0]), dtype)
+        init_from(master, value, param.list_ctx())
         return master
 
     def sync_transient_masters(self) -> None:
@@ -114,7 +118,7 @@ class MasterSetup:
             for param, master in self.masters.copied_pairs():
                 for data, weight in zip(param.list_data(), master.list_data(), strict=True):
                     if comp is None or not comp.handles(weight):
-                        cast_into(data, weight)
+                        cast_into(default_layout(data), weight)
             if comp is not None:
                 comp.fill()
 

@@ -81,7 +81,7 @@ FAMILY_OPS: dict[str, tuple[NativeOp, ...]] = {
     "pow": _ops("_power", "broadcast_power", "_power_scalar", "_rpower_scalar"),
     "layer_norm": _ops("LayerNorm"),
     "group_norm": _ops("GroupNorm"),
-    "batch_norm": _ops("BatchNorm", "_contrib_SyncBatchNorm"),
+    "batch_norm": _ops("BatchNorm", "_contrib_BatchNormWithReLU", "_contrib_SyncBatchNorm"),
     "instance_norm": _ops("InstanceNorm"),
     "norm": _ops("norm"),
     "sum": _ops("sum", "nansum"),
@@ -130,7 +130,9 @@ BF16_SHAPE_OPS: frozenset[str] = frozenset(
 
 #: Ops with inputs they write to (BatchNorm's running statistics): MXNet's pass cannot put
 #: them in the widest-type list, so ``promote`` acts as ``passthrough`` for them.
-MUTATING_OPS: frozenset[str] = frozenset({"BatchNorm", "_contrib_SyncBatchNorm"})
+MUTATING_OPS: frozenset[str] = frozenset(
+    {"BatchNorm", "_contrib_BatchNormWithReLU", "_contrib_SyncBatchNorm"}
+)
 
 _BY_NAME: dict[str, list[tuple[str, NativeOp]]] = {}
 for _family, _natives in FAMILY_OPS.items():

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: Ops whose parameter inputs MXNet requires in float32 (gamma, beta, running statistics).
-FP32_PARAM_OPS = frozenset({"BatchNorm", "_contrib_SyncBatchNorm"})
+FP32_PARAM_OPS = frozenset({"BatchNorm", "_contrib_BatchNormWithReLU", "_contrib_SyncBatchNorm"})
 _AMP_OPS = frozenset({"amp_cast", "amp_multicast"})
 
 

@@ -21,7 +21,6 @@ returns is used by the very next ``scale_loss``. For clipping: ``allreduce_grads
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -39,16 +38,31 @@ from mixprec.policy import Policy
 from mixprec.scaler import LossScaler, ScalerCounters
 from mixprec.step import StepTracker
 
-from . import checkpoint, optimizers  # noqa: F401 - optimizers registers "adamw"
-from .accumulation import check_grad_req, install_zero_grad
+from . import checkpoint, optimizers, states  # noqa: F401 - optimizers registers "adamw"
+from .accumulation import Accumulation, check_grad_req, install_zero_grad
 from .casting import convert_net, param_dtypes
+from .checks import (
+    check_dense,
+    check_parameters,
+    check_shaped,
+    check_state,
+    densify_embeddings,
+    shape_refusal,
+    sparse_embeddings,
+    warn_params_only,
+)
 from .compensation import Compensation
 from .devices import device_key, resolve_policy
-from .dtypes import dtype_name
 from .export import patch_export
-from .gluon_private import dense_embedding_grad, finish_deferred_init, is_deferred, is_sparse
+from .gluon_private import (
+    clear_cached_graph,
+    deferred_state,
+    finish_deferred_init,
+    is_deferred,
+    restore_deferred_state,
+)
 from .graph import blocks_of
-from .ops import island_natives
+from .islands import unconverted
 from .ownership import Snapshot, check_unclaimed, claim
 from .running_stats import RunningStats
 from .stepping import Stepping
@@ -104,13 +118,13 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         net = net_or_params if isinstance(net_or_params, gluon.Block) else None
         params = net.collect_params() if net is not None else net_or_params
         values = list(params.values()) if hasattr(params, "values") else list(params)
-        _check_parameters(values, type(net_or_params).__name__)
-        sparse_embeddings = _sparse_embeddings(net)
-        _check_dense([p for p in values if id(p) not in sparse_embeddings])
+        check_parameters(values, type(net_or_params).__name__)
+        embeddings = sparse_embeddings(net)
+        check_dense([p for p in values if id(p) not in embeddings])
         contexts = values[0].list_ctx()
         self.policy: Policy = resolve_policy(policy, contexts, **overrides)
         """The resolved policy this trainer runs (saved with its states)."""
-        _check_state(self.policy)
+        check_state(self.policy)
         self.device = device_key(contexts[0])
         check_unclaimed(values)  # after the policy: a policy this device cannot run is named first
         for info in blocks_of(net) if net is not None else ():
@@ -137,15 +151,17 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         step_guard: StepGuard,
     ) -> None:
         if net is not None:
-            _densify_embeddings(net)
+            densify_embeddings(net)
         super().__init__(params, optimizer, optimizer_params, kvstore, compression_params, False)
         self.scaler = LossScaler(self.policy.loss_scale, guard=step_guard)
         """The loss-scale state and step/skip counters (shared state for one group)."""
         self._tracker = StepTracker()
         self._plan = param_dtypes(net if net is not None else params, self.policy, self.device)
         check_grad_req(self._plan, self.policy.label)
-        if any(dtype == BFLOAT16 for _, dtype in self._plan):
+        if any(is_low_precision(dtype) for _, dtype in self._plan):
             install_zero_grad()
+        self._accumulation = Accumulation()
+        """``grad_req='add'`` on low-precision parameters: the float32 sums in the masters."""
         self.masters: MasterWeights[gluon.Parameter] | None = None
         """(model parameter, master parameter) pairs, once the parameters are initialised."""
         self._net = net
@@ -159,39 +175,48 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
             # before convert_net: its input casts and deferred set-up then run first
             stats = RunningStats(net)
             self._running_stats = stats if stats.params else None
-            convert_net(net, self.policy, self.device, before_forward=self._before_first_forward)
+            convert_net(net, self.policy, self.device, before_forward=self._before_forward)
             checkpoint.patch_net(net, self)
             patch_export(net, self)
         else:
-            _warn_params_only(self.policy)
+            check_shaped(self._plan)
+            warn_params_only(self.policy)
         if not any(is_deferred(p) for p in self._params):
             self._prepare()
-        elif net is None or not isinstance(net, gluon.HybridBlock):
-            if any(dtype != dtype_name(p.dtype) for p, dtype in self._plan):
-                raise WrapError(
-                    "some parameters have no shape yet (deferred initialisation); mixprec "
-                    "must cast them before the first forward pass. Give the layers their input "
-                    "sizes (in_units=, in_channels=) or run one forward pass before building "
-                    "the Trainer"
-                )
 
     # ------------------------------------------------------------------ set-up
 
-    def _before_first_forward(self, args: Sequence[Any]) -> None:
-        if self.masters is not None:
-            return
+    def _before_forward(self, args: Sequence[Any]) -> None:
+        if self.masters is None:
+            self._first_forward(args)
+        if autograd.is_recording():
+            self._accumulation.before_forward()
+
+    def _first_forward(self, args: Sequence[Any]) -> None:
         deferred = [p for p in self._params if is_deferred(p)]
         net = self._net
-        if deferred and isinstance(net, gluon.HybridBlock):
-            net.infer_shape(*args)
-        elif deferred and net is not None:
-            # a plain Block has no infer_shape: one forward pass (the class's, not the
-            # instance's wrapped one; no recording, so no statistics change) gives the shapes
-            with autograd.pause(train_mode=False):
-                type(net).forward(net, *args)
-        for param in deferred:
-            if is_deferred(param):
-                finish_deferred_init(param)
+        before = deferred_state(deferred)
+        try:
+            if deferred and isinstance(net, gluon.HybridBlock):
+                net.infer_shape(*args)
+            elif deferred and net is not None:
+                # a plain Block has no infer_shape: one forward pass (the class's, not the
+                # instance's wrapped one; unconverted, in float32 as the fresh weights are;
+                # no recording, so no statistics change) gives the shapes
+                with autograd.pause(train_mode=False), unconverted():
+                    type(net).forward(net, *args)
+            for param in deferred:
+                if is_deferred(param):
+                    finish_deferred_init(param)
+        except (mx.MXNetError, AssertionError, ValueError) as err:
+            restore_deferred_state(before)  # the net waits for a first input that fits
+            raise WrapError(shape_refusal(net, args, err)) from err
+        if deferred and net is not None:
+            # the shape inference traced the graphs before the weights had shapes: trace
+            # again, so that the graph is the one a net with loaded shapes gets (the casts
+            # around BatchNorm read the convolution's channels)
+            for info in blocks_of(net):
+                clear_cached_graph(info.block)
         # the first forward pass may run inside autograd.record(), which refuses the writes
         # that set up masters, casts and the kvstore broadcast (none of them is part of the
         # graph): O3-bf16's float32 update copies used to fail there
@@ -224,16 +249,18 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         self._tracker.on_backward()
         if not self.scaler.enabled:
             yield loss
-            return
-        scale = self.scaler.scale
-        with contextlib.ExitStack() as stack:
-            if not autograd.is_recording():
-                stack.enter_context(autograd.record())
-            if isinstance(loss, (list, tuple)):
-                scaled = [part * scale for part in loss]
-            else:
-                scaled = loss * scale
-        yield scaled
+        else:
+            scale = self.scaler.scale
+            with contextlib.ExitStack() as stack:
+                if not autograd.is_recording():
+                    stack.enter_context(autograd.record())
+                if isinstance(loss, (list, tuple)):
+                    scaled = [part * scale for part in loss]
+                else:
+                    scaled = loss * scale
+            yield scaled
+        if self.masters is not None:  # the backward ran: grad_req='add' sums in float32
+            self._accumulation.after_backward()
 
     # ------------------------------------------------------------------ masters
 
@@ -253,12 +280,12 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
     def save_states(self, fname: str) -> None:
         """Save the optimizer state, the loss-scaler state and the policy."""
         self._ensure_prepared()
-        checkpoint.save_states(self, fname)
+        states.save_states(self, fname)
 
     def load_states(self, fname: str) -> None:
         """Load what :meth:`save_states` wrote (the policy must match this trainer's)."""
         self._ensure_prepared()
-        checkpoint.load_states(self, fname)
+        states.load_states(self, fname)
         self._tracker.reset()
         self._reduced = False
 
@@ -270,98 +297,3 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
     def load_parameters(self, fname: str, **kwargs: Any) -> None:
         """Load float32 values into the masters, then cast them into the model."""
         checkpoint.load_parameters(self, fname, **kwargs)
-
-
-def _check_state(policy: Policy) -> None:
-    """Refuse ``state=bfloat16``: MXNet has no bfloat16 optimizer kernels and the Trainer
-    keeps float32 working copies between steps anyway, so it would save nothing here."""
-    if policy.state is not None:
-        raise WrapError(
-            f"policy {policy.label} keeps the optimizer state in {policy.state} between steps "
-            "(state=bfloat16), which the Gluon Trainer does not support: MXNet's optimizers "
-            "have no bfloat16 kernels and keep their state beside the float32 working "
-            f"copies the Trainer holds between steps. Drop the item (policy="
-            f"'{_without_state(policy)!s}') or use the torch backend for bfloat16 state"
-        )
-
-
-def _without_state(policy: Policy) -> Policy:
-    return dataclasses.replace(policy, state=None, name=None)
-
-
-def _check_parameters(values: Sequence[Any], given: str) -> None:
-    if not values:
-        raise WrapError(
-            f"Trainer got no parameters (the {given} it was given has none to train); pass a "
-            "net with layers (Trainer(net, ...), add layers before creating it) or its "
-            "collect_params()"
-        )
-    wrong = [type(v).__name__ for v in values if not isinstance(v, gluon.Parameter)]
-    if wrong:
-        raise WrapError(
-            f"Trainer got {wrong[0]} objects where gluon.Parameter objects belong (arrays hold "
-            "values, not the parameters an optimizer updates); pass the net itself "
-            "(Trainer(net, ...)) or net.collect_params()"
-        )
-
-
-def _check_dense(params: Sequence[gluon.Parameter]) -> None:
-    sparse = [p.name for p in params if is_sparse(p)]
-    if sparse:
-        raise WrapError(
-            f"sparse parameters or gradients ({', '.join(sparse[:3])}) need "
-            "update_on_kvstore=True in Gluon, which mixprec cannot use; use dense storage"
-        )
-
-
-def _sparse_embeddings(net: gluon.Block | None) -> set[int]:
-    """ids of the weights of the net's ``Embedding(sparse_grad=True)`` layers."""
-    if net is None:
-        return set()
-    found = set()
-    for info in blocks_of(net):
-        block = info.block
-        if isinstance(block, gluon.nn.Embedding) and is_sparse(block.weight):
-            found.add(id(block.weight))
-    return found
-
-
-def _densify_embeddings(net: gluon.Block) -> None:
-    switched = [
-        info.path or type(info.block).__name__
-        for info in blocks_of(net)
-        if isinstance(info.block, gluon.nn.Embedding) and dense_embedding_grad(info.block)
-    ]
-    if switched:
-        warnings.warn(
-            f"Embedding(sparse_grad=True) at {', '.join(switched)}: mixprec trains it with dense "
-            "gradients (the same updates, more memory), because Gluon's sparse gradients need "
-            "update_on_kvstore=True, where an overflowed step cannot be skipped. Pass "
-            "sparse_grad=False to silence this",
-            MixprecWarning,
-            stacklevel=4,
-        )
-
-
-def _warn_params_only(policy: Policy) -> None:
-    left_out = []
-    if policy.casts_ops:
-        left_out.append("op casting (O1 casts ops inside the hybridized net)")
-    if is_low_precision(policy.param):
-        left_out.append(
-            f"casting the net's inputs to {policy.compute} and outputs to {policy.output}, and "
-            "class-based module rules such as BatchNorm's"
-        )
-    islands = sorted(island_natives(policy.compute, "cpu")) if policy.compute == BFLOAT16 else []
-    if islands:
-        left_out.append(
-            f"float32 islands for {', '.join(islands)} (no bfloat16 kernel on this CPU: cast "
-            "around them yourself)"
-        )
-    if left_out:
-        warnings.warn(
-            f"Trainer got parameters, not the net, so policy {policy.label} cannot apply "
-            f"{' or '.join(left_out)}. Pass the net itself: Trainer(net, ...)",
-            MixprecWarning,
-            stacklevel=3,
-        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 import mxnet as mx
@@ -10,6 +12,7 @@ from mxnet import autograd, gluon, nd
 
 from mixprec_mxnet.dtypes import cast
 from mixprec_mxnet.kernels import missing_bf16_cpu_ops
+from mixprec_mxnet.state_files import META
 
 
 def bf16_computes(op: str) -> str:
@@ -90,3 +93,20 @@ def master_values(trainer: Any, net: Any) -> dict[str, np.ndarray]:
         name: trainer.masters.master_for(p).data().asnumpy()
         for name, p in net._collect_params_with_prefix().items()
     }
+
+
+def states_header(path: Any) -> dict[str, Any]:
+    """The JSON header of a states file ``trainer.save_states`` wrote."""
+    return json.loads(nd.load(str(path))[META].asnumpy().tobytes().decode("utf-8"))  # type: ignore[no-any-return]
+
+
+def rewrite_states(path: Any, edit: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
+    """Rewrite a states file after ``edit(header, arrays)`` changed it in place (as an
+    attacker or a damaged disk might)."""
+    arrays = dict(nd.load(str(path)))
+    header = json.loads(arrays[META].asnumpy().tobytes().decode("utf-8"))
+    edit(header, arrays)
+    raw = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
+    arrays[META] = nd.empty(raw.shape, dtype=np.uint8)
+    arrays[META][:] = raw
+    nd.save(str(path), arrays)

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.mxnet
 L2 = gluon.loss.L2Loss()
 
 
+@pytest.mark.cpu_isa
 def test_o2_report_shows_batchnorm_float32_by_class_rule_and_conv_bf16() -> None:
     net = cnn()
     Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")

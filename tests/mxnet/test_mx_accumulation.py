@@ -9,12 +9,12 @@ import pytest
 
 mx = pytest.importorskip("mxnet")
 
-from _mx_nets import array  # noqa: E402
+from _mx_nets import array, mlp, values  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 from mxnet.gluon.model_zoo import vision  # noqa: E402
 
 import mixprec  # noqa: E402
-from mixprec.errors import WrapError  # noqa: E402
+from mixprec.errors import StepOrderError, WrapError  # noqa: E402
 from mixprec_mxnet import Trainer  # noqa: E402
 from mixprec_mxnet.dtypes import cast  # noqa: E402
 
@@ -108,16 +108,179 @@ def test_o1_accumulation_on_resnet18() -> None:
         np.testing.assert_allclose(accumulated[name], grad, rtol=5e-2, atol=1e-3, err_msg=name)
 
 
-def test_add_on_low_precision_parameters_is_refused_before_any_change() -> None:
-    net = _scaled()
+# ---------------------------------------------------------------- O2/O3: float32 sums
+
+CE = gluon.loss.SoftmaxCrossEntropyLoss()
+
+
+def _mobilenet(seed: int = 0) -> Any:
+    mx.random.seed(seed)
+    net = vision.mobilenet0_25(pretrained=False, classes=4)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    return net
+
+
+def _images(n: int, seed: int = 0) -> tuple[Any, Any]:
+    rng = np.random.RandomState(seed)
+    return array(rng.rand(n, 3, 32, 32)), array(rng.randint(0, 4, n))
+
+
+def _scaled_backward(net: Any, trainer: Any, x: Any, y: Any, train: bool = True) -> None:
+    with autograd.record(train_mode=train):
+        loss = CE(cast(net(x), "float32"), y)
+        with trainer.scale_loss(loss) as scaled:
+            autograd.backward(scaled)
+
+
+def _master_grads(net: Any, trainer: Any) -> dict[str, np.ndarray]:
+    return {
+        name: trainer.masters.master_for(p).grad().asnumpy().copy()
+        for name, p in net._collect_params_with_prefix().items()
+        if p.grad_req != "null"
+    }
+
+
+@pytest.mark.cpu_isa
+@pytest.mark.parametrize("policy", ["O2-bf16", "O3-bf16-kahan"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_low_precision_accumulation_sums_the_micro_batches_in_float32(
+    policy: str, when: str
+) -> None:
+    """grad_req='add' (set before or after the Trainer) on mobilenet0_25: the masters hold
+    exactly the float32 sum of the micro-batches' bfloat16 gradients, the step applies it,
+    zero_grad clears it and the next accumulated step moves the weights again."""
+    batches = [_images(2, seed) for seed in (1, 2)]
+    reference = _mobilenet()
+    ref_trainer = Trainer(reference, "sgd", {"learning_rate": 0.1}, policy=policy)
+    summed: dict[str, np.ndarray] = {}
+    for x, y in batches:  # grad_req='write': one micro-batch's bfloat16 gradient at a time
+        _scaled_backward(reference, ref_trainer, x, y)
+        for name, grad in _grads(reference).items():
+            summed[name] = summed.get(name, 0) + grad
+
+    net = _mobilenet()
+    if when == "before":
+        net.collect_params().setattr("grad_req", "add")
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy=policy)
+    if when == "after":
+        net.collect_params().setattr("grad_req", "add")
+    for x, y in batches:
+        _scaled_backward(net, trainer, x, y)
+    accumulated = _master_grads(net, trainer)
+    assert accumulated.keys() == summed.keys()
+    for name, grad in summed.items():
+        np.testing.assert_array_equal(accumulated[name], grad, err_msg=name)
+    before = values(net)
+    trainer.step(4)
+    assert not trainer.last_step_skipped
+    moved = values(net)
+    assert any(not np.array_equal(before[k], moved[k]) for k in before)
+    net.collect_params().zero_grad()
+    assert not any(g.any() for g in _master_grads(net, trainer).values())
+    for x, y in batches:
+        _scaled_backward(net, trainer, x, y)
+    trainer.step(4)
+    assert any(not np.array_equal(moved[k], v) for k, v in values(net).items())
+
+
+@pytest.mark.cpu_isa
+def test_two_micro_batches_equal_one_double_batch_within_bf16_rounding() -> None:
+    """Without BatchNorm a sample's gradient does not depend on its batch, so the float32 sum
+    of two halves' bfloat16 gradients and the double batch's bfloat16 gradient differ only
+    by bfloat16 rounding: at most half a bfloat16 step of each half and of the whole,
+    element by element. (With BatchNorm in training mode the halves' batch statistics differ
+    from the whole's: MXNet's own float32 gradients then differ by 5% on mobilenet0_25.)"""
+    x, y = _micro_batches(1, (8, 8))[0], _micro_batches(1, (8, 4))[0]
+    L2 = gluon.loss.L2Loss()
+    halves = []
+    for part in (slice(0, 4), slice(4, 8), slice(0, 8)):  # each half alone, then the whole
+        net = mlp()
+        trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+        with autograd.record():
+            loss = L2(cast(net(x[part]), "float32"), y[part])
+            with trainer.scale_loss(loss) as scaled:
+                autograd.backward(scaled)
+        halves.append(_grads(net))
+    first, second, whole = halves
+    net = mlp()
     net.collect_params().setattr("grad_req", "add")
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    for part in (slice(0, 4), slice(4, 8)):
+        with autograd.record():
+            loss = L2(cast(net(x[part]), "float32"), y[part])
+            with trainer.scale_loss(loss) as scaled:
+                autograd.backward(scaled)
+    summed = {n: trainer.masters.master_for(p).grad().asnumpy()
+              for n, p in net._collect_params_with_prefix().items()}  # fmt: skip
+    step = 2.0**-8  # half a bfloat16 step, relative
+    for name, grad in summed.items():
+        np.testing.assert_array_equal(grad, first[name] + second[name])  # the float32 sum
+        bound = step * (np.abs(first[name]) + np.abs(second[name]) + np.abs(whole[name]))
+        assert (np.abs(grad - whole[name]) <= bound + 1e-30).all(), name
+
+
+def test_accumulating_without_scale_loss_is_refused_naming_it() -> None:
+    """A plain loss.backward() under O2-bf16 would sum in bfloat16 (or not at all through an
+    island's cast): the step refuses it before anything changes."""
+    net = _mobilenet()
+    net.collect_params().setattr("grad_req", "add")
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    x, y = _images(2)
+    for _ in range(2):
+        with autograd.record():
+            loss = CE(cast(net(x), "float32"), y)
+        loss.backward()
+    before, steps = values(net), trainer.scaler.steps
+    with pytest.raises(StepOrderError, match=r"scale_loss\(loss\)"):
+        trainer.step(4)
+    assert trainer.scaler.steps == steps
+    assert all(np.array_equal(v, values(net)[k]) for k, v in before.items())
+
+
+def test_add_mixed_with_write_is_refused_before_any_change() -> None:
+    net = _scaled()
+    net.dense.weight.grad_req = "add"
     before = {name: p.data().asnumpy().copy() for name, p in net.collect_params().items()}
-    with pytest.raises(WrapError, match="O1"):
+    with pytest.raises(WrapError, match=r"grad_req='add' on .*but 'write' on"):
         Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
     for name, p in net.collect_params().items():
         assert np.dtype(p.dtype) == np.float32
         np.testing.assert_array_equal(p.data().asnumpy(), before[name])
-    Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O1-bf16")  # the named fix works
+    net.collect_params().setattr("grad_req", "add")
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")  # the fix works
+    net.dense.bias.grad_req = "write"  # mixed after the Trainer: refused at the step
+    x = _micro_batches(1)[0]
+    with autograd.record():
+        loss = (cast(net(x), "float32") ** 2).sum()
+        with trainer.scale_loss(loss) as scaled:
+            autograd.backward(scaled)
+    kept = values(net)
+    with pytest.raises(WrapError, match="grad_req='add'"):
+        trainer.step(4)
+    assert all(np.array_equal(v, values(net)[k]) for k, v in kept.items())
+
+
+@pytest.mark.parametrize("policy", ["O2-bf16", "O3-bf16"])
+def test_zero_grad_before_any_step_changes_nothing(policy: str) -> None:
+    """zero_grad on a net that never stepped (shapes deferred, no forward yet, or no
+    backward yet) has nothing to clear: it changes nothing and accumulation then works."""
+    deferred = gluon.nn.HybridSequential()
+    deferred.add(gluon.nn.Dense(8, activation="relu"), gluon.nn.Dense(4))
+    deferred.initialize()
+    deferred.collect_params().setattr("grad_req", "add")
+    trainer = Trainer(deferred, "sgd", {"learning_rate": 0.1}, policy=policy)
+    deferred.collect_params().zero_grad()  # no shapes, no masters yet
+    x = _micro_batches(1)[0]
+    for _ in range(2):
+        with autograd.record():
+            loss = (cast(deferred(x), "float32") ** 2).sum()
+            with trainer.scale_loss(loss) as scaled:
+                autograd.backward(scaled)
+    sums = _master_grads(deferred, trainer)
+    assert all(g.any() for g in sums.values())
+    trainer.step(4)
+    assert not trainer.last_step_skipped
 
 
 def test_zero_grad_under_o2_bf16_on_resnet18() -> None:

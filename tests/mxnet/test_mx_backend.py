@@ -14,7 +14,7 @@ import mixprec_mxnet  # noqa: E402
 from mixprec.plugins import backend_info, load_backend  # noqa: E402
 from mixprec.spec import get_policy  # noqa: E402
 from mixprec.testing.protocol import ConformanceAdapter, ConformanceTrainer  # noqa: E402
-from mixprec_mxnet.kernels import missing_bf16_cpu_ops  # noqa: E402
+from mixprec_mxnet.kernels import bf16_cpu_is_fast, missing_bf16_cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 
@@ -38,6 +38,7 @@ def test_registered_through_the_entry_point() -> None:
     assert facade.Trainer is mixprec_mxnet.Trainer
 
 
+@pytest.mark.cpu_isa
 def test_capabilities_report_bf16_on_a_onednn_cpu() -> None:
     """bfloat16 is supported with oneDNN; fast (auto's pick) only with native GEMM kernels."""
     caps = mixprec_mxnet.capabilities()
@@ -45,7 +46,8 @@ def test_capabilities_report_bf16_on_a_onednn_cpu() -> None:
     assert caps.backend == "mxnet" and caps.framework_version == mx.__version__
     if mx.runtime.Features().is_enabled("MKLDNN"):
         assert cpu.compute_dtypes == ("float32", "bfloat16")
-        native = not {"FullyConnected", "Convolution"} & missing_bf16_cpu_ops()
+        native = bf16_cpu_is_fast()  # checked against the CPU's flags in test_mx_kernels.py
+        assert native <= (not {"FullyConnected", "Convolution"} & missing_bf16_cpu_ops())
         assert caps.preferred_lowp("cpu") == ("bfloat16" if native else None)
         assert cpu.fast_dtypes == (("bfloat16",) if native else ())
     assert "float16" not in cpu.compute_dtypes

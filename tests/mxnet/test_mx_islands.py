@@ -3,9 +3,7 @@ single ops without a bfloat16 kernel on this CPU (the probe in :mod:`mixprec_mxn
 
 from __future__ import annotations
 
-import contextlib
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from mxnet import autograd, gluon, nd  # noqa: E402
 import mixprec.mxnet as mpx  # noqa: E402
 from mixprec_mxnet.dtypes import dtype_of  # noqa: E402
 from mixprec_mxnet.graph import node_dtypes  # noqa: E402
-from mixprec_mxnet.kernels import PROBED_OPS, Bf16IslandWarning, missing_bf16_cpu_ops  # noqa: E402
+from mixprec_mxnet.kernels import missing_bf16_cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 
@@ -32,6 +30,7 @@ def _batchnorm_inputs(net: object) -> list[str]:
     return [nodes[n["inputs"][0][0]]["op"] for n in nodes if n["op"] == "BatchNorm"]
 
 
+@pytest.mark.cpu_isa
 def test_batchnorm_after_a_blocked_conv_reads_bf16_and_keeps_fp32_statistics() -> None:
     net = cnn()
     mpx.Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
@@ -68,37 +67,7 @@ def test_fused_island_matches_the_cast_island() -> None:
 # ---------------------------------------------------------------- ops without a bf16 kernel
 
 
-def test_probe_runs_once_and_names_only_probed_ops() -> None:
-    first = missing_bf16_cpu_ops()
-    assert first is missing_bf16_cpu_ops()  # cached for the process
-    assert first <= set(PROBED_OPS)
-    # the probe's verdict is what really happens when the op runs in bfloat16
-    x = mpx.cast(nd.ones((2, 8)), "bfloat16")
-    w = mpx.cast(nd.ones((4, 8)), "bfloat16")
-    try:
-        nd.FullyConnected(x, w, no_bias=True, num_hidden=4).wait_to_read()
-        ran = True
-    except mx.MXNetError:
-        with contextlib.suppress(mx.MXNetError):
-            nd.waitall()  # collect the engine's copy of the error
-        ran = False
-    assert ran == ("FullyConnected" not in first)
-
-
-def test_one_warning_names_the_island_ops() -> None:
-    if not missing_bf16_cpu_ops():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Bf16IslandWarning)
-            mpx.Trainer(cnn(), "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
-        return
-    with pytest.warns(Bf16IslandWarning) as caught:
-        mpx.Trainer(cnn(), "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
-    assert len(caught) == 1
-    message = str(caught[0].message)
-    assert "FullyConnected" in message and "Convolution" in message
-    assert "AVX512-BF16" in message and "float32 islands" in message
-
-
+@pytest.mark.cpu_isa
 def test_dense_computes_in_bf16_or_as_an_island_with_bf16_weights() -> None:
     net = mlp()
     trainer = mpx.Trainer(net, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, policy="O2-bf16")
@@ -158,6 +127,7 @@ def test_o2_custom_block_dot_runs_as_an_island() -> None:
 CNN_ISLANDS = {"Convolution", "BatchNorm", "Activation", "Pooling", "FullyConnected"}
 
 
+@pytest.mark.cpu_isa
 @pytest.mark.skipif(
     not CNN_ISLANDS <= missing_bf16_cpu_ops(),
     reason="this CPU has bfloat16 kernels for the CNN's ops: they are not islands here",
@@ -190,6 +160,7 @@ def test_a_run_of_islands_computes_in_float32_from_end_to_end(hybrid: bool) -> N
     assert dtype_of(net[0].weight.grad()) == "bfloat16"
 
 
+@pytest.mark.cpu_isa
 def test_an_activation_read_outside_the_islands_stays_bfloat16() -> None:
     """The chain only feeds islands: a bfloat16-capable op reading an island's output (here
     the user's own ``+``) gets the bfloat16 value, the next island the float32 one."""

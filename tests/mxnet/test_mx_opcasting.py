@@ -64,6 +64,7 @@ def test_each_family_runs_in_the_decided_dtype(edit: str, input_dtype: str) -> N
     assert not wrong, f"(ran in, decided) per op under {edit}: {wrong}"
 
 
+@pytest.mark.cpu_isa
 def test_o2_ops_pass_through() -> None:
     policy = get_policy("O2-bf16")
     for op in ("linear", "softmax", "add"):
@@ -82,6 +83,7 @@ def _converted(policy, net=None):
     return net, out, node_dtypes(net._cached_graph[1], data="float32")
 
 
+@pytest.mark.cpu_isa
 def test_o1_cnn_graph_follows_op_and_module_rules() -> None:
     net, out, dtypes = _converted(O1_BF16)
     conv, bn, dense = net[0], net[1], net[9]
@@ -92,6 +94,7 @@ def test_o1_cnn_graph_follows_op_and_module_rules() -> None:
     assert dtype_of(conv.weight.data()) == dtype_of(conv.weight.grad()) == "float32"
 
 
+@pytest.mark.cpu_isa
 def test_module_rules_reach_nodes_inside_the_module() -> None:
     # batch_norm moved to lowp globally: the class rule still keeps BatchNorm in float32
     policy = O1_BF16.with_ops(lowp=["batch_norm"])
@@ -141,6 +144,7 @@ def test_ops_without_bf16_kernels_run_in_float32_with_a_warning() -> None:
     assert dtype_of(out) == "float32"
 
 
+@pytest.mark.cpu_isa
 def test_native_names_and_lists() -> None:
     assert family_of("Activation", {"act_type": "relu"}) == "relu"
     assert family_of("Activation", {"act_type": "softrelu"}) is None
@@ -152,6 +156,7 @@ def test_native_names_and_lists() -> None:
     assert "Dropout" in lists.fp32  # no bf16 kernel, whatever dropout's rule
 
 
+@pytest.mark.cpu_isa
 def test_bf16_inputs_reach_float32_ops_cast() -> None:
     # MXNet's pass assumes graph inputs are float32; a bfloat16 input must still be cast
     assert run_op(O1_BF16, "softmax", "bfloat16") == "float32"
@@ -160,6 +165,7 @@ def test_bf16_inputs_reach_float32_ops_cast() -> None:
         assert run_op(O1_BF16, "linear", "bfloat16") == bf16_computes("FullyConnected")
 
 
+@pytest.mark.cpu_isa
 def test_a_plain_block_gets_o1_on_its_hybrid_parts() -> None:
     from mixprec_mxnet import Trainer
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import pickle
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 mx = pytest.importorskip("mxnet")
 
-from _mx_nets import batch, master_values, mlp, train_step, values  # noqa: E402
+from _mx_nets import batch, master_values, mlp, rewrite_states, train_step, values  # noqa: E402
 from mxnet import gluon, nd  # noqa: E402
 
 from mixprec.errors import CheckpointError  # noqa: E402
@@ -143,12 +143,14 @@ def test_a_damaged_states_file_changes_neither_the_scale_nor_the_state(
     if damage == "truncated":
         path.write_bytes(raw[: len(raw) // 2])
     else:
-        blob = pickle.loads(raw)
-        if damage == "bad scaler":
-            blob["scaler"] = dict(blob["scaler"], steps="many")
-        else:
-            blob["optimizer"] = pickle.dumps(({99: None}, trainer._optimizer))
-        path.write_bytes(pickle.dumps(blob))
+
+        def edit(header: dict[str, Any], arrays: dict[str, Any]) -> None:
+            if damage == "bad scaler":
+                header["scaler"] = dict(header["scaler"], steps="many")
+            else:
+                header["per_param"] = {"99": None}
+
+        rewrite_states(path, edit)
     _fresh_net, fresh = _trained(0)
     scale, steps = fresh.loss_scale, fresh.scaler.steps
     state = fresh._updaters[0].get_states(dump_optimizer=False)
@@ -162,3 +164,19 @@ def _save(net: gluon.Block, folder: Path) -> str:
     path = str(folder / "other.params")
     net.save_parameters(path)
     return path
+
+
+def test_an_export_failing_half_way_keeps_the_previous_files(tmp_path: Path) -> None:
+    net, trainer = _trained()
+    net.hybridize()
+    x, y = batch()
+    train_step(net, trainer, x, y, L2)
+    prefix = str(tmp_path / "model")
+    net.export(prefix)
+    files = [Path(f"{prefix}-symbol.json"), Path(f"{prefix}-0000.params")]
+    before = [f.read_bytes() for f in files]
+    train_step(net, trainer, x, y, L2)
+    with file_size_limit(100), pytest.raises(OSError):
+        net.export(prefix)
+    assert [f.read_bytes() for f in files] == before
+    assert leftovers(tmp_path, files[0].name) == leftovers(tmp_path, files[1].name) == []

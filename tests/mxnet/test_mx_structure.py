@@ -1,17 +1,23 @@
-"""The Gluon backend's imports: relative, module level, and without a circle.
+"""The Gluon backend's shape: its imports form a DAG of floors (every import counts: module
+level, inside functions, under ``TYPE_CHECKING``), within the package they are relative and at
+module level, and the module table in docs/architecture.md lists exactly the files there are,
+each on its floor.
 
-Read from the source (no MXNet needed): a function-level import of a sibling module would
-hide a circle (the one trainer -> stepping -> diagnostics -> trainer was), and an absolute
-``mixprec_mxnet`` import would tie the package to its installed name.
+Read from the source (no MXNet needed). The trainer once imported checkpoint, export and
+stepping, which imported it (or checkpoint) back under ``TYPE_CHECKING``; they now read the
+Trainer through the data-only ``trainer_state.py``, as the torch backend's ``optimizer_state.py``.
 """
 
 from __future__ import annotations
 
 import ast
-import graphlib
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "backends" / "mxnet"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "backends" / "mxnet"
+DOC = ROOT / "docs" / "architecture.md"
+MAX_FLOORS = 12
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -27,8 +33,61 @@ def _siblings(node: ast.ImportFrom) -> list[str]:
     return [alias.name for alias in node.names]
 
 
-def _type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+def _graph() -> dict[str, set[str]]:
+    """Each module -> the sibling modules it imports anywhere (any import statement)."""
+    modules = _modules()
+    return {
+        name: {
+            dep
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for dep in _siblings(node)
+            if dep in modules and dep != name
+        }
+        for name, tree in modules.items()
+    }
+
+
+def floors() -> dict[str, int]:
+    """Each module's floor: 1 + the highest floor it imports (1 for none).
+
+    :raises AssertionError: naming the circle, when the imports are not a DAG.
+    """
+    graph = _graph()
+    floor: dict[str, int] = {}
+
+    def visit(name: str, path: tuple[str, ...]) -> int:
+        if name in path:
+            circle = " -> ".join((*path[path.index(name) :], name))
+            raise AssertionError(f"import circle in mixprec_mxnet: {circle}")
+        if name not in floor:
+            floor[name] = 1 + max((visit(d, (*path, name)) for d in graph[name]), default=0)
+        return floor[name]
+
+    for name in graph:
+        visit(name, ())
+    return floor
+
+
+def test_the_imports_form_a_dag_of_floors() -> None:
+    result = floors()  # raises on a circle, function-level and TYPE_CHECKING imports included
+    top = max(result.values())
+    by_floor = {f: sorted(n for n, g in result.items() if g == f) for f in range(1, top + 1)}
+    assert top <= MAX_FLOORS, f"mixprec_mxnet has {top} floors (at most {MAX_FLOORS}): {by_floor}"
+
+
+def test_the_trainer_is_above_what_it_assembles() -> None:
+    """checkpoint, states, export and stepping read the Trainer through trainer_state."""
+    result, graph = floors(), _graph()
+    for name in ("checkpoint", "states", "export", "stepping", "masters", "trainer_state"):
+        assert "trainer" not in graph[name], f"{name}.py imports trainer.py"
+        assert result[name] < result["trainer"]
+    calls = [
+        ast.unparse(n.func)
+        for n in ast.walk(_modules()["trainer_state"])
+        if isinstance(n, ast.Call) and ast.unparse(n.func).startswith(("nd.", "mx.nd."))
+    ]
+    assert calls == [], "trainer_state.py holds data and names only"
 
 
 def test_no_absolute_self_imports() -> None:
@@ -54,15 +113,22 @@ def test_no_function_level_sibling_imports() -> None:
                     )
 
 
-def test_module_level_imports_form_a_dag() -> None:
-    graph: dict[str, set[str]] = {}
-    for name, tree in _modules().items():
-        deps: set[str] = set()
-        for node in tree.body:
-            if isinstance(node, ast.If) and _type_checking(node):
-                continue  # annotations only: never executed
-            if isinstance(node, ast.ImportFrom):
-                deps.update(d for d in _siblings(node) if d != name)
-        graph[name] = deps
-    graph.pop("__init__", None)  # the lazy package face imports nothing at run time
-    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the circle
+def _documented() -> dict[str, int]:
+    """Module -> floor, from the Gluon section's module table in docs/architecture.md."""
+    text = DOC.read_text(encoding="utf-8")
+    match = re.search(r"^### The Gluon backend.*?\n((?:\|[^\n]*\n)+)", text, re.M | re.S)
+    assert match, "docs/architecture.md has no '### The Gluon backend' section with a table"
+    rows = re.findall(r"^\| `([\w]+)\.py` \| (\d+) \|", match.group(1), re.M)
+    return {name: int(floor) for name, floor in rows}
+
+
+def test_the_architecture_page_lists_every_module_with_its_floor() -> None:
+    documented, actual = _documented(), floors()
+    assert sorted(documented) == sorted(actual), (
+        "docs/architecture.md's Gluon module table must list exactly the files of "
+        f"backends/mxnet: missing {sorted(set(actual) - set(documented))}, "
+        f"stale {sorted(set(documented) - set(actual))}"
+    )
+    wrong = {name: (documented[name], floor) for name, floor in actual.items()}
+    wrong = {name: pair for name, pair in wrong.items() if pair[0] != pair[1]}
+    assert not wrong, f"docs/architecture.md floors (documented, actual): {wrong}"

@@ -43,23 +43,6 @@ def test_facade_and_gluon_habits() -> None:
     assert trainer.policy.name == "O1-bf16"
 
 
-def test_auto_resolves_per_the_probed_kernels() -> None:
-    """bfloat16 where the CPU has native bfloat16 GEMM kernels; float32 with one warning
-    (not an island-laden bfloat16) where it has none."""
-    if bf16_computes("FullyConnected") == "bfloat16":
-        trainer = Trainer(mlp(), "sgd", {"learning_rate": 0.1})
-        assert trainer.policy.compute == "bfloat16"
-    else:
-        with pytest.warns(MixprecWarning, match="no fast float16/bfloat16") as caught:
-            trainer = Trainer(mlp(), "sgd", {"learning_rate": 0.1})
-        assert len(caught) == 1
-        assert trainer.policy.compute == "float32"
-    assert trainer.policy.is_resolved
-    assert trainer.policy.compute == (
-        mixprec.mxnet.capabilities().preferred_lowp("cpu") or "float32"
-    )
-
-
 def test_o2_converts_the_same_net_in_place() -> None:
     net = cnn()
     trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
@@ -230,6 +213,7 @@ def test_clipping_through_allreduce_unscale_update() -> None:
     assert moved == pytest.approx(lr * max_norm, rel=1e-3)
 
 
+@pytest.mark.cpu_isa
 def test_parameter_dict_gets_casting_and_masters_but_a_warning() -> None:
     net = mlp()
     with pytest.warns(MixprecWarning, match="not the net") as caught:
@@ -290,14 +274,17 @@ def test_deferred_shapes_are_cast_at_the_first_forward() -> None:
     assert dtype_of(trainer.masters.master_for(net[0].weight).data()) == "float32"
 
 
-def test_plain_block_with_deferred_shapes_and_o2_is_refused() -> None:
+def test_parameters_with_deferred_shapes_without_the_net_are_refused() -> None:
+    """Given only parameters, the Trainer never sees the forward pass that shapes them."""
     net = gluon.nn.Sequential()
     net.add(gluon.nn.Dense(4))
     net.initialize()
-    with pytest.raises(WrapError, match="in_units"):
-        Trainer(net, "sgd", policy="O2-bf16")
+    with pytest.raises(WrapError, match=r"Trainer\(net, \.\.\.\)"):
+        Trainer(net.collect_params(), "sgd", policy="O2-bf16")
+    assert dtype_of(net[0].bias.data()) == "float32"
 
 
+@pytest.mark.cpu_isa
 def test_adam_eps_lint_checks_the_dtype_the_optimizer_state_lives_in() -> None:
     with pytest.warns(MixprecWarning, match="eps"):  # 1e-45 is below even float32's range
         Trainer(mlp(), "adam", {"epsilon": 1e-45}, policy="O3-bf16")

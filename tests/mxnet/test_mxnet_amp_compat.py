@@ -166,7 +166,10 @@ def test_scaling_is_exact_and_unscale_serves_the_clipping_recipe() -> None:
     amp.unscale(trainer)
     grads = [p.grad() for p in net.collect_params().values()]
     for got, want in zip(grads, expected, strict=True):
-        np.testing.assert_allclose(got.asnumpy(), want, rtol=2e-2, atol=1e-3)
+        # bfloat16 rounding where the CPU computes Dense in bfloat16 (a scale left in would
+        # be 1024x): within 2% of the gradient's norm
+        error = np.linalg.norm(got.asnumpy() - want)
+        assert error <= 0.02 * np.linalg.norm(want), (error, np.linalg.norm(want))
     gluon.utils.clip_global_norm(grads, max_norm=0.5)
     trainer.step(x.shape[0])
     assert mpx.state(trainer).loss_scale == 1024
@@ -291,6 +294,28 @@ def test_convert_hybrid_block_converts_the_block_in_place() -> None:
         amp.convert_hybrid_block(mlp(), "bfloat16", excluded_sym_names=["dense0_fwd"])
     with pytest.raises(WrapError, match="O2-bf16"):
         amp.convert_hybrid_block(mlp(), "bfloat16", cast_optional_params=True)
+
+
+def test_a_converted_block_exports_before_another_forward_pass(tmp_path: Path) -> None:
+    """MXNet's ``convert_hybrid_block`` returns a block ready to export; the in-place
+    conversion cleared the traced graph, so ``export`` raised until the next forward."""
+    net = mlp()
+    net.hybridize()
+    x, _ = batch()
+    expected = net(x).asnumpy()
+    amp.convert_hybrid_block(net, target_dtype="bfloat16")
+    net.export(str(tmp_path / "fp32"))  # casts removed: the float32 model
+    net.export(str(tmp_path / "amp"), remove_amp_cast=False)
+    graph = json.loads((tmp_path / "amp-symbol.json").read_text(encoding="utf-8"))
+    assert "amp_cast" in {node["op"] for node in graph["nodes"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MXNet: "Cannot decide type ... data"
+        plain = gluon.SymbolBlock.imports(
+            str(tmp_path / "fp32-symbol.json"), ["data"], str(tmp_path / "fp32-0000.params")
+        )
+    np.testing.assert_array_equal(plain(x).asnumpy(), expected)
+    converted = net(x)  # and the block itself runs its converted graph
+    np.testing.assert_allclose(converted.asnumpy(), expected, rtol=5e-2, atol=5e-2)
 
 
 def test_convert_model_casts_per_the_lists_and_keeps_the_params() -> None:

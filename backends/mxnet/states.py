@@ -1,0 +1,251 @@
+"""``trainer.save_states`` / ``load_states``: the optimizer state, the loss scale, the policy.
+
+The file holds data, never code (:mod:`.state_files`). ``load_states`` reads and checks the
+whole file first: the format, the policy (it must be the Trainer's), the loss-scaler state, the
+optimizer's class and schedule, every per-parameter state (index and shape) and, under
+``master=kahan|stochastic``, the compensation. Only then does it change anything; a file
+refused with :class:`~mixprec.errors.CheckpointError` leaves the loss scale, the optimizer and
+the weights as they were. The optimizer that trains on is the Trainer's own: it takes the
+saved update counts, learning rate and schedule counters (what a bit-exact resume needs).
+
+Optimizer state is matched to parameters by their structural names (``"0.weight"``), so a
+net whose Gluon names (``dense3_weight``) differ from the saved one's resumes all the same.
+A plain ``gluon.Trainer`` states file loads too (the loss scale then starts afresh, with a
+warning).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy.typing as npt
+from mxnet import nd
+
+from mixprec.atomic import atomic_path
+from mixprec.errors import CheckpointError, MixprecError, MixprecWarning
+from mixprec.policy import Policy
+from mixprec.scaler import LossScaler
+
+from .checkpoint import save_arrays
+from .gluon_private import set_update_counts
+from .state_files import SavedStates, optimizer_record, read_states, states_arrays
+from .trainer_state import TrainerState, names_by_id, param_names
+
+__all__ = ["load_states", "save_states"]
+
+_PRIMITIVES = (bool, int, float, str, type(None))
+
+
+def save_states(trainer: TrainerState, filename: str) -> None:
+    """Write the optimizer state, the loss-scaler state and the policy to ``filename``
+    (atomically: a failed save leaves the previous file whole)."""
+    meta: dict[str, Any] = {
+        "policy": trainer.policy.to_dict(),
+        "scaler": trainer.scaler.state_dict(),
+        "names": param_names(trainer),
+        "optimizer": optimizer_record(trainer._optimizer),
+    }
+    compensation: dict[str, nd.NDArray] = {}
+    if trainer._compensation is not None:  # the exact compensation and the random stream
+        state = trainer._compensation.state_dict(names_by_id(trainer))
+        meta["compensation"] = {k: v for k, v in state.items() if k != "compensation"}
+        compensation = {name: _ndarray(v) for name, v in state["compensation"].items()}
+    arrays = states_arrays(meta, trainer._updaters[0].states, compensation)
+    with atomic_path(filename) as tmp:
+        save_arrays(tmp, arrays, filename)
+
+
+def _ndarray(values: npt.NDArray[Any]) -> nd.NDArray:
+    out = nd.empty(values.shape, dtype=values.dtype)  # nd.array may warn (SciPy)
+    out[:] = values
+    return out
+
+
+def load_states(trainer: TrainerState, filename: str) -> None:
+    """Restore what :func:`save_states` wrote into ``trainer`` (whose policy must match).
+
+    :raises CheckpointError: the file is damaged, or was saved under another policy,
+        optimizer or net; nothing has changed then.
+    """
+    with open(filename, "rb") as f:
+        raw = f.read()
+    saved = read_states(raw, filename)
+    scaler_state = _check_policy_and_scaler(trainer, saved, filename)
+    per_param, counts = _renumbered(trainer, saved)
+    _check_per_param(trainer, per_param, filename)
+    record = saved.meta.get("optimizer")
+    if record is not None:
+        _check_optimizer(trainer._optimizer, record, counts, filename)
+    compensation = trainer._compensation
+    names = names_by_id(trainer)
+    comp_state: Any = None
+    if compensation is not None:
+        comp_state = saved.meta.get("compensation")
+        if isinstance(comp_state, Mapping):
+            comp_state = dict(comp_state, compensation=saved.compensation)
+        compensation.check_state_dict(comp_state, filename, names)
+    # checked: from here on nothing raises on the file's account
+    if saved.kind == "gluon":
+        warnings.warn(
+            f"{filename!r} is a plain gluon.Trainer states file: the optimizer state is loaded "
+            "but the loss scale starts afresh (trainer.save_states() also saves it)",
+            MixprecWarning,
+            stacklevel=3,
+        )
+    if scaler_state is not None:
+        trainer.scaler.load_state_dict(scaler_state)
+    if compensation is not None:
+        compensation.load_state_dict(comp_state, names)
+    if record is not None:
+        _apply_optimizer(trainer._optimizer, record, counts)
+    for updater in trainer._updaters:
+        updater.states = {i: copy.deepcopy(state) for i, state in per_param.items()}
+        updater.states_synced = dict.fromkeys(updater.states, False)
+
+
+def _check_policy_and_scaler(
+    trainer: TrainerState, saved: SavedStates, filename: str
+) -> dict[str, Any] | None:
+    if saved.kind == "gluon":
+        return None
+    try:
+        policy = Policy.from_dict(saved.meta["policy"])
+    except (MixprecError, TypeError, ValueError, AttributeError, KeyError) as err:
+        raise CheckpointError(f"{filename!r} holds a malformed policy: {err}") from err
+    if policy != trainer.policy:
+        raise CheckpointError(
+            f"{filename!r} was saved under policy {policy} but this Trainer runs "
+            f"{trainer.policy}; build the Trainer with policy={str(policy)!r} to resume"
+        )
+    state = saved.meta.get("scaler")
+    # a probe takes the state first: a malformed one raises before the scaler changes
+    try:
+        LossScaler(trainer.scaler.state.fresh()).load_state_dict(state)  # type: ignore[arg-type]
+    except (MixprecError, TypeError, ValueError, KeyError, OverflowError) as err:
+        raise CheckpointError(f"{filename!r} holds a malformed loss-scaler state: {err}") from err
+    return state  # type: ignore[no-any-return]
+
+
+def _renumbered(trainer: TrainerState, saved: SavedStates) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """The per-parameter states and update counts at the indices this trainer gives the same
+    parameters (``gluon.Trainer`` numbers them by global names, which differ between two nets
+    of one architecture built in one process)."""
+    record = saved.meta.get("optimizer")
+    counts = record.get("counts", {}) if isinstance(record, Mapping) else {}
+    names, here = saved.meta.get("names"), param_names(trainer)
+    if not isinstance(names, list) or sorted(names) != sorted(here) or names == here:
+        return dict(saved.per_param), dict(counts) if isinstance(counts, Mapping) else {}
+    new = {name: i for i, name in enumerate(here)}
+    move = {i: new[name] for i, name in enumerate(names)}
+    per_param = {move.get(k, k): v for k, v in saved.per_param.items()}
+    moved_counts = {
+        device: {str(move.get(_int(k), k)): n for k, n in per_index.items()}
+        if isinstance(per_index, Mapping)
+        else per_index
+        for device, per_index in counts.items()
+    }
+    return per_param, moved_counts
+
+
+def _int(value: Any) -> Any:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _arrays(state: Any) -> list[Any]:
+    if isinstance(state, (list, tuple)):
+        return [a for s in state for a in _arrays(s)]
+    return [] if state is None else [state]
+
+
+def _check_per_param(trainer: TrainerState, per_param: Mapping[Any, Any], filename: str) -> None:
+    """Refuse optimizer state the updater would choke on: unknown indices, wrong shapes."""
+    count = len(trainer._params)
+    unknown = sorted(
+        (k for k in per_param if not isinstance(k, int) or not 0 <= k < count), key=str
+    )
+    if unknown:
+        raise CheckpointError(
+            f"{filename!r} holds optimizer state for parameter indices {unknown[:6]}, but this "
+            f"Trainer has {count} parameters; load states saved by a Trainer over the same net"
+        )
+    for index, state in per_param.items():
+        param = trainer._params[index]
+        for array in _arrays(state):
+            if not isinstance(array, nd.NDArray) or tuple(array.shape) != tuple(param.shape):
+                shape = getattr(array, "shape", type(array).__name__)
+                raise CheckpointError(
+                    f"{filename!r} holds optimizer state of shape {shape} for parameter "
+                    f"{param.name!r} of shape {param.shape}; load states saved by a Trainer "
+                    "over the same net"
+                )
+
+
+def _check_optimizer(optimizer: Any, record: Any, counts: Any, filename: str) -> None:
+    name = type(optimizer).__name__
+    saved = record.get("class") if isinstance(record, Mapping) else None
+    if saved != name:
+        raise CheckpointError(
+            f"{filename!r} holds the state of a {saved} optimizer, but this Trainer uses "
+            f"{name}; build the Trainer with the optimizer the states were saved with"
+        )
+    try:
+        ok = isinstance(record.get("fields"), Mapping) and all(
+            isinstance(int(device), int)
+            and all(isinstance(int(k), int) and type(n) is int for k, n in per_index.items())
+            for device, per_index in counts.items()
+        )
+    except (TypeError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(
+            f"{filename!r} holds malformed optimizer settings; it is damaged: load an earlier "
+            "checkpoint, or save it again with trainer.save_states()"
+        )
+    schedule, mine = record.get("scheduler"), getattr(optimizer, "lr_scheduler", None)
+    if schedule is not None:
+        theirs = schedule.get("class") if isinstance(schedule, Mapping) else None
+        if mine is None or type(mine).__name__ != theirs:
+            raise CheckpointError(
+                f"{filename!r} was saved with lr_scheduler={theirs}, but this Trainer's "
+                f"optimizer has {type(mine).__name__ if mine is not None else 'none'}; pass "
+                "the same kind of schedule (its counters are restored from the file)"
+            )
+
+
+def _set_fields(target: Any, fields: Mapping[str, Any]) -> None:
+    """Set the saved plain settings (numbers, strings, lists of them) that ``target`` has,
+    each only where the kinds agree; never a new attribute, never an object."""
+    for name, value in fields.items():
+        if name in _KEEP or not hasattr(target, name):
+            continue
+        current = getattr(target, name)
+        if isinstance(current, _PRIMITIVES) and isinstance(value, _PRIMITIVES):
+            if isinstance(current, bool) == isinstance(value, bool):
+                setattr(target, name, value)
+        elif isinstance(current, list) and isinstance(value, list):
+            setattr(target, name, copy.deepcopy(value))
+
+
+#: Settings the Trainer's optimizer keeps: its per-parameter multipliers and names follow
+#: this Trainer's parameters, not the file's.
+_KEEP = frozenset({"lr_mult", "wd_mult", "idx2name", "param_dict", "sym_info"})
+
+
+def _apply_optimizer(optimizer: Any, record: Mapping[str, Any], counts: Any) -> None:
+    _set_fields(optimizer, record["fields"])
+    set_update_counts(
+        optimizer,
+        {
+            int(device): {int(k): int(n) for k, n in per_index.items()}
+            for device, per_index in counts.items()
+        },
+    )
+    schedule = record.get("scheduler")
+    if schedule is not None:
+        _set_fields(optimizer.lr_scheduler, schedule.get("fields", {}))
