@@ -88,7 +88,7 @@ def _format_from(policy: PolicyFields, base_name: str) -> str:
     if policy.compute != base.compute:
         over["compute"] = policy.compute
     start = derive(base, over)
-    for role in ("param", "output", "master", "reduce", "state"):
+    for role in ("param", "output", "master", "reduce", "state", "fp8"):
         if getattr(policy, role) != getattr(start, role):
             over[role] = getattr(policy, role)
     start = derive(base, over)

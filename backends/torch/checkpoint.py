@@ -311,6 +311,8 @@ def optimizer_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         }
         if st.group.compensation is not None:
             sd[_STATE_KEY]["compensation"] = st.group.compensation.state_dict()
+        if st.group.fp8 is not None:
+            sd[_STATE_KEY]["fp8"] = st.group.fp8.state_dict()
     return sd
 
 
@@ -347,6 +349,8 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
         steps = _check_entry(extra, st.group.scaler, st.tracker.steps)
         if st.group.compensation is not None and "compensation" in extra:
             st.group.compensation.check_state_dict(extra["compensation"])
+        if st.group.fp8 is not None and "fp8" in extra:
+            st.group.fp8.check_state_dict(extra["fp8"])
     if st is not None:
         _check_finite_state(state_dict.get("state"))
     base = base_class(self)
@@ -357,6 +361,8 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
         st.group.scaler.load_state_dict(extra["scaler"])
         if st.group.compensation is not None and "compensation" in extra:
             st.group.compensation.load_state_dict(extra["compensation"])
+        if st.group.fp8 is not None and "fp8" in extra:
+            st.group.fp8.load_state_dict(extra["fp8"])
         st.tracker.reset()
         st.tracker.steps = steps
         st.round = None

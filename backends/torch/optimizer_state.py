@@ -31,6 +31,7 @@ __all__ = [
     "RoundGuard",
     "SpareGrad",
     "StepCompensation",
+    "StepState",
     "WrapGroup",
     "base_class",
     "optimizer_state",
@@ -53,6 +54,14 @@ class StepCompensation(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def check_state_dict(self, sd: Any) -> None: ...
     def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+
+class StepState(Protocol):
+    """State a step changes that checkpoints carry in the optimizer's state dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def check_state_dict(self, sd: Any) -> None: ...
+    def load_state_dict(self, sd: Any) -> None: ...
 
 
 SpareGrad = tuple[torch.UntypedStorage, torch.dtype, int, tuple[int, ...], tuple[int, ...]]
@@ -110,6 +119,9 @@ class WrapGroup:
         """Each optimizer of a round skips only on its own overflow (``skip="optimizer"``)."""
         self.compensation: StepCompensation | None = None
         """Under ``master=kahan|stochastic``: the strategy's buffers and its step passes."""
+        self.fp8: StepState | None = None
+        """Under ``fp8``: the FP8 layers and the delayed recipe's state
+        (:class:`mixprec_torch.fp8.FP8Layers`)."""
         self.round_guards: list[RoundGuard] = []
         """State beyond the optimizer that a step changes (BatchNorm running statistics):
         checked with the gradients, put back when the round is skipped."""

@@ -26,6 +26,7 @@ __all__ = [
     "foreach_copy_",
     "foreach_norm_float32",
     "foreach_zero_",
+    "has_scaled_mm",
     "in_backward",
     "is_scheduler_step_wrapper",
     "load_strict",
@@ -35,6 +36,7 @@ __all__ = [
     "problems",
     "reentrant_checkpoint_function",
     "run_step_hooks",
+    "scaled_mm",
     "scheduler_step_wrapper",
     "set_reentrant_checkpoint_function",
     "sole_owner",
@@ -97,6 +99,30 @@ def foreach_zero_(tensors: list[torch.Tensor]) -> None:
     Why private: no public multi-tensor zero exists.
     """
     torch._foreach_zero_(tensors)
+
+
+def has_scaled_mm() -> bool:
+    """Whether this torch build has :func:`scaled_mm` at all (else FP8 is emulated)."""
+    return callable(getattr(torch, "_scaled_mm", None))
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` for FP8 ``a`` (row-major) and ``b`` (column-major),
+    in ``out_dtype``: the FP8 GEMM (tensor cores on CUDA 8.9+, a float32 kernel on the CPU).
+
+    Why private: torch's only FP8 GEMM is ``torch._scaled_mm`` (what torchao and Transformer
+    Engine's torch path call); there is no public one. Where it is missing or refuses a
+    device, recipe or shape, :mod:`mixprec_torch.fp8_numerics` emulates it exactly.
+    """
+    return torch._scaled_mm(  # type: ignore[no-any-return]
+        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+    )
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
@@ -332,6 +358,7 @@ def problems() -> list[str]:
         "_foreach_copy_",
         "_foreach_norm",
         "_foreach_zero_",
+        "_scaled_mm",  # FP8 GEMMs fall back to exact emulation without it
     ):
         need(callable(getattr(torch, name, None)), f"torch.{name} is gone")
     try:

@@ -153,6 +153,11 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
         # after the cast: the masters still hold the exact float32 values, the params bf16
         pairs = [(p, m) for p, m in masters.copied_pairs() if p.dtype == torch.bfloat16]
         group.compensation = Compensation(pairs, strategy, seed, state=policy.state)
+    if plan.fp8 is not None:  # before the casting hooks, which may wrap the forwards
+        plan.fp8.install()
+        group.fp8 = plan.fp8
+        if plan.optimizers:  # the delayed histories move with the steps
+            group.round_guards.append(plan.fp8)
     for model, casting, buffers in zip(plan.models, plan.castings, originals, strict=True):
         casting.install(model)
         checkpoint = ModelCheckpoint(model, masters, buffers, group.compensation)

@@ -95,10 +95,15 @@ class Stepping:
         elif self._unchecked:
             self._check()
         self.tracker.on_step()
+        fp8 = self.model.fp8
+        if fp8 is not None and not fp8.finite():  # a bad batch: never into a scale
+            self._found_inf = True
         overflowing: tuple[str, ...] = ()
         if self._found_inf:  # before the update, so skip hooks can ask what overflowed
             overflowing = record_overflows(self.scaler.steps, [self])
         skipped = self.scaler.update(self._found_inf, overflowing)
+        if fp8 is not None:  # the step's amaxes enter the delayed history, unless skipped
+            fp8.settle(skipped)
         if not skipped and self.compensation is not None:
             self.compensation.update(self.optimizer, self.masters.masters())
         elif not skipped:

@@ -38,6 +38,7 @@ from mixprec.step import StepTracker
 from mixprec_numpy.casting import Array, cast, float32
 from mixprec_numpy.compensation import Compensation
 from mixprec_numpy.devices import resolve_policy
+from mixprec_numpy.fp8 import runtime_for
 from mixprec_numpy.layers import MLP, Parameter
 from mixprec_numpy.optimizer import SGD
 from mixprec_numpy.stepping import KEPT_OVERFLOWS, Stepping
@@ -93,6 +94,7 @@ class Trainer(Stepping, ScalerCounters):
             else Compensation(params, strategy, seed, state=self.policy.state)
         )
         model.policy = self.policy
+        model.fp8 = runtime_for(self.policy.fp8)
         self.scaler = LossScaler(self.policy.loss_scale, guard=step_guard)
         self.tracker = StepTracker()
         self.overflows = deque(maxlen=KEPT_OVERFLOWS)
@@ -121,6 +123,8 @@ class Trainer(Stepping, ScalerCounters):
             "policy": self.policy.to_dict(),
         }
         state = {f"optimizer/{n}": v for n, v in self.optimizer.state_dict().items()}
+        if self.model.fp8 is not None and self.model.fp8.delayed is not None:
+            meta["fp8"] = self.model.fp8.delayed.state_dict()
         if self.compensation is not None:
             buffers, meta["rng"] = self.compensation.state_dict()
             state.update((f"compensation/{n}", c) for n, c in buffers.items())
@@ -140,6 +144,7 @@ class Trainer(Stepping, ScalerCounters):
                 f"the checkpoint was saved under a different policy ({saved}); build the "
                 f"Trainer with policy={str(saved)!r} to resume it"
             )
+        fp8 = runtime_for(self.policy.fp8, meta.get("fp8"))  # checked before any change
         weights: list[tuple[Parameter, Parameter, Array, Array | None]] = []
         for param, master in self.masters.pairs:
             value = arrays.get(f"param/{param.name}")
@@ -169,6 +174,7 @@ class Trainer(Stepping, ScalerCounters):
         if self.compensation is not None:
             self.compensation.load_rng_state(meta["rng"])
         self.scaler.load_state_dict(meta["scaler"])
+        self.model.fp8 = fp8
         self.tracker.reset()
 
 
