@@ -46,14 +46,20 @@ class FP8Layers(CopyOnly):
     :param recipe: the policy's recipe.
     :param layers: (qualified name, layer) of every ``nn.Linear`` that runs in FP8.
     :param out_dtype: the policy's compute dtype, the dtype of the layers' outputs.
+    :param owners: the index (in the ``wrap`` call) of each layer's model; all 0 by default.
     """
 
     def __init__(
-        self, recipe: FP8Recipe, layers: Sequence[tuple[str, nn.Linear]], out_dtype: str
+        self,
+        recipe: FP8Recipe,
+        layers: Sequence[tuple[str, nn.Linear]],
+        out_dtype: str,
+        owners: Sequence[int] | None = None,
     ) -> None:
         self.recipe = recipe
         self.names = [name for name, _ in layers]
         self.modules = [module for _, module in layers]
+        self.owners = list(owners) if owners is not None else [0] * len(self.modules)
         self.out_dtype = torch_dtype(out_dtype)
         delayed = recipe.name == "delayed"
         self.state: DelayedScaling | None = DelayedScaling.for_recipe(recipe) if delayed else None
@@ -73,41 +79,52 @@ class FP8Layers(CopyOnly):
 
     # ------------------------------------------------------------------ the step's guard
 
-    def _recorded(self) -> list[torch.Tensor]:
+    def _in_scope(self, scope: frozenset[int]) -> list[int]:
+        """The positions of the layers whose model is in ``scope``."""
+        return [i for i, owner in enumerate(self.owners) if owner in scope]
+
+    def _recorded(self, picked: Sequence[int]) -> list[torch.Tensor]:
         out = []
-        for forward in self.forwards:
-            assert forward.delayed is not None
-            out.append(torch.cat((forward.delayed.amax, forward.delayed.amax_grad.reshape(1))))
+        for i in picked:
+            delayed = self.forwards[i].delayed
+            assert delayed is not None
+            out.append(torch.cat((delayed.amax, delayed.amax_grad.reshape(1))))
         return out
 
-    def flag(self) -> torch.Tensor | None:
-        """Nonzero (on the device, no host sync) when an amax recorded this step is not
-        finite: the step is skipped, and the amax never reaches a history or a scale."""
-        if self.state is None or not self.forwards:
+    def flag(self, scope: frozenset[int]) -> torch.Tensor | None:
+        """Nonzero (on the device, no host sync) when an amax recorded this step by a layer
+        of the models in ``scope`` is not finite: the step is skipped, and the amax never
+        reaches a history or a scale."""
+        picked = self._in_scope(scope)
+        if self.state is None or not self.forwards or not picked:
             return None
-        recorded = self._recorded()
+        recorded = self._recorded(picked)
         device = recorded[0].device
         found = [torch.isfinite(r).all().logical_not().to(device) for r in recorded]
         return torch.stack(found).any().reshape(1).to(torch.float32)
 
-    def settle(self, skipped: bool) -> None:
-        """After the step's decision: the recorded amaxes enter the histories (dropped when
-        ``skipped``), the next step's scales are written, the records start over."""
-        if self.state is None or not self.forwards:
+    def settle(self, skipped: bool, scope: frozenset[int]) -> None:
+        """After the step's decision for the models in ``scope``: their layers' recorded
+        amaxes enter the histories (dropped when ``skipped``), the next step's scales are
+        written, their records start over. Layers of other models keep their records for
+        their own optimizers' round."""
+        picked = self._in_scope(scope)
+        if self.state is None or not self.forwards or not picked:
             return
         with torch.no_grad():
-            values = [r.tolist() for r in self._recorded()]
+            values = [r.tolist() for r in self._recorded(picked)]
             amaxes = {
-                f"{name}:{role}": value
-                for name, row in zip(self.names, values, strict=True)
+                f"{self.names[i]}:{role}": value
+                for i, row in zip(picked, values, strict=True)
                 for role, value in zip(ROLES, row, strict=True)
                 if not value < 0  # -1: the tensor did not run this step (NaN is kept)
             }
             self.state = self.state.update(amaxes, skipped).state
             self._write_scales()
-            for forward in self.forwards:
-                assert forward.delayed is not None
-                forward.delayed.reset()
+            for i in picked:
+                delayed = self.forwards[i].delayed
+                assert delayed is not None
+                delayed.reset()
 
     def _write_scales(self) -> None:
         assert self.state is not None
@@ -187,6 +204,7 @@ def plan_fp8(
             "layers would quantise sharded weights. Use the policy without fp8 under FSDP2"
         )
     layers: list[tuple[str, nn.Linear]] = []
+    owners: list[int] = []
     seen: set[int] = set()
     for index, sites in enumerate(plans):
         prefix = f"model{index}." if len(plans) > 1 else ""
@@ -200,7 +218,8 @@ def plan_fp8(
             _check_layer(prefix + site.name, module, recipe)
             seen.add(id(module))
             layers.append((prefix + site.name, module))
-    return FP8Layers(recipe, layers, policy.compute)
+            owners.append(index)
+    return FP8Layers(recipe, layers, policy.compute, owners)
 
 
 def _check_layer(name: str, module: nn.Linear, recipe: FP8Recipe) -> None:

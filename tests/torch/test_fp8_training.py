@@ -90,6 +90,31 @@ def test_the_delayed_history_holds_the_amaxes_of_the_steps() -> None:
     assert scales[0] == tensor_scale(max(seen[-3:]), "float8_e4m3fn")
 
 
+def test_each_models_round_settles_only_its_own_layers_histories() -> None:
+    """wrap([G, D], [opt_g, opt_d]): a GAN's D step (the round of opt_d alone) commits D's
+    amaxes and leaves G's records, from the same forward, for G's own step; a bad batch in
+    D's round never touches G's history."""
+    torch.manual_seed(0)
+    g, d = Net(), Net()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (g, d)]
+    (g, d), (opt_g, opt_d) = mpt.wrap([g, d], opts, policy="O1-fp8,fp8=delayed(history=3)")
+    x, y = _batches(2)
+    _step(g, opt_g, x)
+    _step(d, opt_d, x)
+    history = _layers(g).state.amax_history
+    before = dict(history)
+    assert "model0.fc1:input" in before and "model1.fc1:input" in before
+    g(y).float().sum().backward()  # G's forward and backward, its step comes later
+    _step(d, opt_d, y * float("inf"))  # D's round: a bad batch, skipped
+    history = _layers(g).state.amax_history
+    assert history["model0.fc1:input"] == before["model0.fc1:input"]
+    assert history["model1.fc1:input"] == before["model1.fc1:input"]
+    opt_g.step()  # G's round commits G's records from its own forward
+    history = _layers(g).state.amax_history
+    assert history["model0.fc1:input"][0] == float(y.abs().amax())
+    assert history["model1.fc1:input"] == before["model1.fc1:input"]
+
+
 def test_a_bad_batch_never_enters_a_history_and_the_step_is_skipped() -> None:
     model, optimizer = _wrapped("O1-fp8,fp8=delayed")
     for x in _batches(2):
