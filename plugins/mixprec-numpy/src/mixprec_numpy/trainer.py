@@ -159,7 +159,8 @@ class Trainer(Stepping, ScalerCounters):
         optimizer_state = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
         self.optimizer.check_state_dict(optimizer_state)
         # a probe scaler takes the state first, so a malformed one raises before any change
-        LossScaler(self.scaler.state.fresh()).load_state_dict(meta.get("scaler"))  # type: ignore[arg-type]
+        probe = LossScaler(self.scaler.state.fresh())
+        probe.load_state_dict(meta.get("scaler"))  # type: ignore[arg-type]
         if self.compensation is not None:
             self.compensation.check_rng_state(meta.get("rng"))
         # ---- everything is checked: from here on the trainer changes
