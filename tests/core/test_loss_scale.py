@@ -597,6 +597,8 @@ def test_arguments_are_stored_as_floats_and_ints() -> None:
     assert (type(moved.scale), moved.scale, type(moved.good_steps), moved.good_steps) == (
         float, 16.0, int, 3
     )  # fmt: skip
+    left = DynamicScale(hysteresis=4, overflows_left=_Index())  # type: ignore[arg-type]
+    assert (type(left.overflows_left), left.overflows_left) == (int, 3)
     assert type(StaticScale(4).scale) is float  # type: ignore[arg-type]
 
 
