@@ -1,114 +1,93 @@
-"""The compensated presets' own passes on PyTorch, sliced and in one piece (issue 14).
+"""The compensated presets' update on PyTorch: fused, its torch fallback, and the generic path.
 
-``python -m benchmarks.compensation_passes [--repeat N]`` times ``Compensation.fill()`` +
-``Compensation.store()`` (what ``O3-bf16-kahan`` and ``O3-bf16-sr`` do around the
-optimizer's update; here the update is a constant ``+ 1e-4``) for case 1's MLP parameters
-(4 × Linear 2048→2048, 16.8 M), with glibc's malloc thresholds pinned as every benchmark
-worker pins them (:func:`benchmarks.runner.child_env`) and with glibc's defaults. Three
-contenders per strategy, each in a process of its own (page faults depend on what the
-process allocated and freed before): the passes as they run (slices of
-``mixprec_torch.state_rounding._SLICE`` elements); in one piece (the slice set to the whole
-buffer: how they ran before), which builds model-sized temporaries for the mixed-dtype
-operations and the stochastic rounding's noise; and sliced with the float32 working buffer
-kept between steps (``_Flat.release`` and ``allocate`` skipped): what giving its 4 bytes per
-parameter back between steps costs in page faults. Minor page faults of the timed part are
-counted with ``getrusage``.
+``python -m benchmarks.compensation_passes [--repeat N] [--threads T]`` times
+``optimizer.step()`` of AdamW over case 1's MLP parameters (4 × Linear 2048→2048, 16.8 M)
+under ``O3-bf16-kahan``, ``O3-bf16-sr`` and ``O3-bf16-kahan,state=bfloat16``, each three ways,
+round-robin in one process with the gradients set once (no forward or backward):
+
+- ``fused``: torch's AdamW takes the fused update, one native pass per tensor
+  (:mod:`mixprec_torch.fused_update`);
+- ``fused, torch fallback``: the same arithmetic as torch operations, what a machine without
+  a C compiler runs (the same bits);
+- ``generic``: a subclass of AdamW, which takes the generic path: float32 working masters
+  filled from the weights, torch's own AdamW, rounded back (:mod:`mixprec_torch.compensation`).
+
+and, for reference, ``O2-bf16``'s step (the native guard pass with the cast into float32
+master gradients, torch's fused AdamW on the masters, the copy into the bfloat16 weights).
+The step includes the guard's pass over the gradients in every contender.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from benchmarks.master_grads import MALLOC_VARS, print_table
-from benchmarks.runner import Options, child_env, compare, setup_torch
+from benchmarks.runner import Measurement, Options, child_env, compare, fmt, setup_torch
 
-METRIC = "fill + store"
-STRATEGIES = ("kahan", "stochastic")
-SHAPES = [(2048, 2048)] * 4 + [(2048,)] * 4
-
-
-FORMS = ("sliced", "one piece (before)", "sliced, buffer kept")
+METRIC = "optimizer step"
+WIDTH = 2048
+POLICIES = ("O3-bf16-kahan", "O3-bf16-sr", "O3-bf16-kahan,state=bfloat16")
+FORMS = ("fused", "fused, torch fallback", "generic")
 
 
-def make_sample(strategy: str, form: str, faults: list[int]) -> Callable[[], Mapping[str, float]]:
-    """One contender: the strategy's two passes, timed; appends their page faults."""
+def _model(torch: Any) -> Any:
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def make_sample(policy: str, form: str) -> Callable[[], Mapping[str, float]]:
+    """One contender: ``optimizer.step()`` with fixed gradients, timed."""
     torch = setup_torch()
-    from mixprec_torch import state_rounding
-    from mixprec_torch.compensation import Compensation
+    import mixprec
+    from mixprec_torch import cpu_kernels
 
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES]
-    masters = [p.float() + 1e-3 * torch.randn(p.shape, generator=gen) for p in params]
-    comp = Compensation(list(zip(params, masters, strict=True)), strategy)
-    if form == "sliced, buffer kept":  # allocated once, never given back
-        for flat in comp.flats:
-            flat.allocate()
-            flat.allocate = flat.release = lambda: None  # type: ignore[method-assign]
-    # the optimizer whose update the passes surround (its own update is replaced by a
-    # constant step below; it keeps no state to widen)
-    optimizer = torch.optim.SGD(masters, lr=0.0)
-    whole = sum(p.numel() for p in params)
+    class SubclassedAdamW(torch.optim.AdamW):  # type: ignore[misc,name-defined]
+        """AdamW under another class: the generic path."""
+
+    model = _model(torch)
+    make = SubclassedAdamW if form == "generic" else torch.optim.AdamW
+    model, opt = mixprec.torch.wrap(model, make(model.parameters(), lr=1e-4), policy=policy)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(p.shape, generator=gen).to(p.dtype) * 1e-3 for p in model.parameters()]
+    fallback = form == "fused, torch fallback"
+    off = {"lib": None, "reason": "the benchmark's fallback contender"}
 
     def sample() -> Mapping[str, float]:
-        saved = state_rounding._SLICE
-        if form == "one piece (before)":
-            state_rounding._SLICE = whole
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+        saved = dict(cpu_kernels._state)
+        if fallback:
+            cpu_kernels._state.clear()
+            cpu_kernels._state.update(off)
         try:
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
-            comp.fill(optimizer)
-            torch._foreach_add_(comp.flats[0].masters, 1e-4)
-            comp.store(optimizer)
+            opt.step()
             elapsed = time.perf_counter() - start
-            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         finally:
-            state_rounding._SLICE = saved
+            cpu_kernels._state.clear()
+            cpu_kernels._state.update(saved)
         return {METRIC: elapsed}
 
     return sample
 
 
-def name(strategy: str, form: str) -> str:
-    return f"{strategy}, {form}"
+def _factory(policy: str, form: str) -> Callable[[], Callable[[], Mapping[str, float]]]:
+    return lambda: make_sample(policy, form)
 
 
-def measure(
-    repeat: int, warmup: int, strategies: Sequence[str] = STRATEGIES, forms: Sequence[str] = FORMS
-) -> dict[str, list[float]]:
-    """Time the given contenders in this process (``main`` runs one per process)."""
-    out: dict[str, list[float]] = {}
-    for strategy in strategies:
-        for form in forms:
-            key, faults = name(strategy, form), list[int]()
-            found = compare(
-                "compensation_passes",
-                "mlp",
-                {key: _factory(strategy, form, faults)},
-                warmup=warmup,
-                repeat=repeat,
-            )
-            for m in found:
-                if m.ok:
-                    out[f"{key} [{m.metric}, ms]"] = [
-                        v for v in (m.value, m.lo, m.hi) if v is not None
-                    ]
-            timed = [float(c) for c in faults[warmup:]]
-            out[f"{key} [page faults]"] = [statistics.median(timed), min(timed), max(timed)]
-    return out
-
-
-def _factory(
-    strategy: str, form: str, faults: list[int]
-) -> Callable[[], Callable[[], Mapping[str, float]]]:
-    return lambda: make_sample(strategy, form, faults)
+def measure(repeat: int, warmup: int) -> list[Measurement]:
+    """Every contender, round-robin in this process."""
+    contenders = {"O2-bf16": _factory("O2-bf16", "fused")}
+    for policy in POLICIES:
+        for form in FORMS:
+            contenders[f"{policy}, {form}"] = _factory(policy, form)
+    return compare("compensation_passes", "mlp", contenders, warmup=warmup, repeat=repeat)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,29 +95,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks.compensation_passes", description=__doc__
     )
     p.add_argument("--repeat", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--child", nargs=2, metavar=("STRATEGY", "FORM"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child:
-        strategy, form = args.child
-        print(json.dumps(measure(args.repeat, args.warmup, [strategy], [form])))
-        return 0
-    pinned = child_env(Options(threads=args.threads))
-    defaults = {k: v for k, v in pinned.items() if k not in MALLOC_VARS}
-    cmd = [sys.executable, "-m", "benchmarks.compensation_passes"]
-    cmd += ["--repeat", str(args.repeat), "--warmup", str(args.warmup)]
-    results: dict[str, dict[str, Any]] = {}
-    for label, env in (("pinned thresholds", pinned), ("glibc defaults", defaults)):
-        print(f"running with {label} ...", file=sys.stderr, flush=True)
-        results[label] = {}
-        for strategy in STRATEGIES:
-            for form in FORMS:
-                child = [*cmd, "--child", strategy, form]
-                out = subprocess.run(child, env=env, check=True, capture_output=True, text=True)
-                results[label].update(json.loads(out.stdout.strip().splitlines()[-1]))
-    print_table("16.8 M params", results)
-    print(f"(median and min–max of {args.repeat} samples)")
+    import os
+
+    os.environ.update(child_env(Options(threads=args.threads)))
+    torch = setup_torch()
+    torch.set_num_threads(args.threads)
+    found = measure(args.repeat, args.warmup)
+    base = next((m.value for m in found if m.contender == "O2-bf16" and m.ok), None)
+    print(f"optimizer.step(), AdamW, 16.8 M parameters, {args.threads} thread(s)")
+    print(f"{'contender':48s} {'median ms':>10s} {'min–max':>14s} {'× O2-bf16':>10s}")
+    for m in found:
+        if not m.ok:
+            print(f"{m.contender:48s} error: {m.error}")
+            continue
+        assert m.value is not None and m.lo is not None and m.hi is not None
+        ratio = f"{m.value / base:.2f}×" if base else ""
+        spread = f"{fmt(m.lo)}–{fmt(m.hi)}"
+        print(f"{m.contender:48s} {fmt(m.value):>10s} {spread:>14s} {ratio:>10s}")
     return 0
 
 

@@ -10,6 +10,8 @@ Two models: an MLP (4 × Linear 2048 + GELU, batch 256) and a transformer encode
 - ``mixprec torch-autocast-cpu``: the backend's preset that reproduces autocast + GradScaler
   exactly, so its ratio to that contender is mixprec's own overhead.
 - ``mixprec O1-bf16``, ``O2-bf16``, ``O3-bf16``: ``mixprec.torch.wrap`` + ``scale_loss``.
+- MLP only: ``mixprec O3-bf16-kahan`` and ``O3-bf16-sr``, the compensated presets (issue 22's
+  whole-step targets compare them with O3-bf16 and O2-bf16 of the same run).
 
 One step is zero_grad → forward → loss → backward → AdamW step; every contender starts from
 the same weights and batch. The helpers here are shared with :mod:`benchmarks.cuda` and
@@ -29,6 +31,7 @@ MODELS = {
     "batch 32 × seq 128, MSE loss",
 }
 MIXPREC_PRESETS = ("O1-bf16", "O2-bf16", "O3-bf16")
+COMPENSATED = ("O3-bf16-kahan", "O3-bf16-sr")
 
 
 def build(
@@ -145,13 +148,16 @@ CONTENDERS = (
     "mixprec torch-autocast-cpu",
     *(f"mixprec {p}" for p in MIXPREC_PRESETS),
 )
+#: the MLP's contenders: the compensated presets too
+MLP_CONTENDERS = (*CONTENDERS, *(f"mixprec {p}" for p in COMPENSATED))
 
 
 def run_model(opts: Options, kind: str) -> JobResult:
     """Worker: every contender on one model, timed round-robin in this process."""
     setup_torch()
-    log(f"  torch_step / {kind}: {len(CONTENDERS)} contenders")
-    contenders = {name: factory(name, kind) for name in CONTENDERS}
+    names = MLP_CONTENDERS if kind == "mlp" else CONTENDERS
+    log(f"  torch_step / {kind}: {len(names)} contenders")
+    contenders = {name: factory(name, kind) for name in names}
     measurements = compare(
         "torch_step",
         kind,
@@ -174,7 +180,7 @@ CASE = Case(
     jobs=jobs,
     baselines=("fp32", "autocast+GradScaler"),
     groups=MODELS,
-    order=CONTENDERS,
+    order=MLP_CONTENDERS,
     method=(
         "One sample = one full training step (zero_grad, forward, loss, backward, AdamW step). "
         "All contenders of a model live in one process and are timed round-robin after warm-up; "

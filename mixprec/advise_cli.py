@@ -17,9 +17,10 @@ from typing import Any
 
 from mixprec.cli_format import positive_int
 from mixprec.errors import AdviceError
+from mixprec.grammar import split_items
 from mixprec.plugins import load_backend
 
-__all__ = ["add_parser", "backend_of", "load_factory"]
+__all__ = ["add_parser", "backend_of", "load_factory", "split_candidates"]
 
 
 def load_factory(spec: str) -> Any:
@@ -43,6 +44,27 @@ def load_factory(spec: str) -> Any:
     if not callable(factory):
         raise AdviceError(f"{module_name!r} has no function {attr!r}")
     return factory
+
+
+def split_candidates(text: str) -> list[str]:
+    """The policies of ``--candidates``: ``;`` always separates; within a part, each bare
+    name (a preset, a ``.toml`` path) starts a policy and ``key=value`` items belong to the
+    policy before them, so ``"O1-bf16,O2-bf16"`` is two policies and
+    ``"base=O2-bf16,compute=bfloat16"`` or ``"O2-bf16,compute=float32"`` one (the key
+    grammar's own commas)."""
+    out: list[str] = []
+    for part in text.split(";"):
+        current: list[str] = []
+        for item in split_items(part):
+            if "=" not in item and current:
+                out.append(",".join(current))
+                current = []
+            current.append(item)
+        if current:
+            out.append(",".join(current))
+    if not out:
+        raise AdviceError(f"--candidates {text!r} names no policy; e.g. 'O1-bf16,O2-bf16'")
+    return out
 
 
 def backend_of(model: Any) -> str:
@@ -77,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     model, optimizer, batches, loss_fn = made
     backend = args.backend or backend_of(model)
-    candidates = args.candidates.split(",") if args.candidates else None
+    candidates = split_candidates(args.candidates) if args.candidates else None
     options: dict[str, Any] = {"candidates": candidates, "steps": args.steps}
     api = load_backend(backend)
     if backend == "mxnet":
@@ -115,7 +137,11 @@ def add_parser(sub: Any) -> None:
     )
     advise.add_argument("factory", help="module:function returning (model, opt, batches, loss)")
     advise.add_argument("--backend", choices=("torch", "mxnet"), help="default: from the model")
-    advise.add_argument("--candidates", help="comma-separated policies (default: all runnable)")
+    advise.add_argument(
+        "--candidates",
+        help="policies to try (default: all runnable): preset names separated by commas, "
+        "key-grammar policies separated by ';' (e.g. 'O1-bf16;base=O2-bf16,compute=bfloat16')",
+    )
     advise.add_argument(
         "--steps", type=positive_int, default=20, help="training steps per policy (default: 20)"
     )

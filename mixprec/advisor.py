@@ -7,7 +7,9 @@ model under a policy and measures module errors) and :class:`Trainee` (one copy,
 1. train a copy under float32 (``O0``) and under every candidate, on the same batches;
 2. measure each module of the fastest low-precision candidate against float32, and add
    ``float32`` module rules, most sensitive module first, until every module's added error is
-   under ``threshold`` (at most ``max_rules``);
+   under ``threshold`` (at most ``max_rules``); when that candidate runs FP8 layers, the
+   layers its FP8 what-if statistics find fragile are first kept in its compute dtype
+   (``path:<layer>=bfloat16``, :func:`fp8_rules`);
 3. train the tuned policy too, and recommend the fastest low-precision policy whose loss
    stays within ``tolerance`` of float32's with few skipped steps (float32 when none does),
    ranking speed on this machine apart from it (:mod:`mixprec.verdicts`).
@@ -33,9 +35,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mixprec.advice import AdviceReport, ModuleSensitivity, PolicyRun
-from mixprec.backend import Capabilities
+from mixprec.backend import Capabilities, DeviceCapability
 from mixprec.errors import AdviceError
 from mixprec.loss_scale import DynamicScale
+from mixprec.policy import Policy
 from mixprec.presets import BUILTIN_PRESETS
 from mixprec.spec import get_policy
 from mixprec.verdicts import (
@@ -52,6 +55,7 @@ __all__ = [
     "AdviceTarget",
     "Trainee",
     "candidate_policies",
+    "fp8_rules",
     "loss_distance",
     "propose_rule",
     "recommend",
@@ -109,18 +113,20 @@ def candidate_policies(caps: Capabilities, device: str) -> list[str]:
     """The built-in presets ``device`` can compute in (``O0`` first), as the default list.
 
     The compensated presets (``O3-bf16-kahan``, ``O3-bf16-sr``) are left out: not every
-    backend runs them; name them in ``candidates`` to compare them.
+    backend runs them; name them in ``candidates`` to compare them. The FP8 presets
+    (``O1-fp8``, ``O2-fp8``) are in where the device lists their recipe; name other recipes
+    (``"O1-fp8,fp8=rowwise"``) to compare them, or read ``mixprec.torch.fp8_statistics``.
     """
-    computes = caps.device(device).compute_dtypes
+    cap = caps.device(device)
     names = [n for n in BUILTIN_PRESETS if n not in ("O0", "auto")]
-    return [
-        "O0",
-        *(
-            n
-            for n in names
-            if get_policy(n).compute in computes and get_policy(n).master_strategy is None
-        ),
-    ]
+    return ["O0", *(n for n in names if _runs(get_policy(n), cap))]
+
+
+def _runs(policy: Policy, cap: DeviceCapability) -> bool:
+    """Whether a preset is a default candidate on a device: its compute dtype and its FP8
+    recipe listed there, no compensated strategy."""
+    fp8 = policy.fp8 is None or policy.fp8.name in cap.fp8_recipes
+    return policy.compute in cap.compute_dtypes and policy.master_strategy is None and fp8
 
 
 def propose_rule(
@@ -132,6 +138,21 @@ def propose_rule(
     if len(same) > 1 and all(not s.added_error <= threshold for s in same):
         return f"class:{worst.module_class}=float32"
     return f"path:{worst.module}=float32"
+
+
+def fp8_rules(target: AdviceTarget, policy: str, batch: Any) -> tuple[list[str], set[str]]:
+    """Under an ``fp8`` policy, the rules that keep its FP8-fragile layers in the compute
+    dtype, and every FP8 layer, from the target's what-if statistics (its optional method
+    ``fp8_statistics(policy, batch)`` returning a :class:`mixprec.fp8_stats.FP8Statistics`);
+    nothing for other policies or targets without the method."""
+    chosen = get_policy(policy)
+    measure = getattr(target, "fp8_statistics", None)
+    if chosen.fp8 is None or measure is None:
+        return [], set()
+    stats = measure(policy, batch)
+    layers = {layer for layer in stats.layers if chosen.fp8_for(layer, "Linear") is not None}
+    fragile = [layer for layer in stats.fragile(chosen.fp8.name) if layer in layers and layer]
+    return [f"path:{layer}={chosen.compute}" for layer in fragile], layers
 
 
 def _ranked(rows: Sequence[ModuleSensitivity]) -> list[ModuleSensitivity]:
@@ -369,10 +390,20 @@ def _tune(target: AdviceTarget, report: AdviceReport, batch: Any, max_rules: int
         report.notes.append(f"module sensitivity failed: {type(exc).__name__}: {exc}")
         return
     report.sensitivity = ranked
-    rules: list[str] = []
-    current = ranked
+    try:  # FP8-fragile layers back to the compute dtype first (per-row errors find them)
+        rules, fp8_layers = fp8_rules(target, base, batch)
+    except Exception as exc:
+        report.notes.append(f"FP8 statistics failed: {type(exc).__name__}: {exc}")
+        rules, fp8_layers = [], set()
+    rules = rules[:max_rules]
+    # the FP8 layers left in FP8 passed their own statistics: an FP8 GEMM's output error is
+    # above float32 rules' threshold by nature, and a float32 rule would undo FP8 there
+    judged = fp8_layers - {rule.partition(":")[2].rpartition("=")[0] for rule in rules}
+    current = _ranked(target.sensitivity(_with_rules(base, rules), batch)) if rules else ranked
     while len(rules) < max_rules:
-        over = [s for s in current if not s.added_error <= report.threshold]
+        over = [
+            s for s in current if not s.added_error <= report.threshold and s.module not in judged
+        ]
         if not over:
             break
         rule = propose_rule(over[0], current, report.threshold)

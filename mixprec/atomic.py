@@ -6,7 +6,9 @@ fills a temporary file in the target's own folder (same file system, so the fina
 cannot cross devices), the file is flushed to disk with ``fsync``, and ``os.replace`` puts it
 in place in one step. A process killed mid-save, or a write that fails half-way (disk full,
 an exception in the writer), leaves the previous file untouched and no temporary behind
-(a SIGKILL may leave one ``.<name>-*.tmp`` file, never a damaged target).
+(a SIGKILL may leave one ``.<name>-*.tmp`` file, never a damaged target). A target that is a
+symbolic link stays one: the file it points to is replaced. Any name the file system takes
+works (the temporary name keeps at most 200 bytes of it).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def atomic_path(target: str | os.PathLike[str], suffix: str = ".tmp") -> Iterato
     :param suffix: the temporary name's ending; some writers pick the format from it
         (matplotlib's ``savefig``), so pass the target's own suffix for them.
     """
-    target = Path(os.fspath(target))
+    # a symbolic link stays a link: the file it points to is the one replaced
+    target = Path(os.path.realpath(os.fspath(target)))
     folder = target.parent
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", suffix=suffix, dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{_short(target.name)}-", suffix=suffix, dir=folder)
     os.close(fd)
     try:
         # mkstemp makes the file private (0600); give it the mode a plain open() would
@@ -56,6 +59,17 @@ def atomic_write_bytes(target: str | os.PathLike[str], data: bytes) -> None:
 def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` (UTF-8) to ``target`` atomically (see :func:`atomic_path`)."""
     atomic_write_bytes(target, text.encode("utf-8"))
+
+
+#: Bytes of the target's name kept in the temporary name: with the dot, the dash, mkstemp's
+#: 8 random characters and the suffix it stays under the 255 bytes most file systems allow,
+#: for any target name that fits them itself.
+_NAME_KEPT = 200
+
+
+def _short(name: str) -> str:
+    """``name`` cut to :data:`_NAME_KEPT` bytes of UTF-8 (whole characters)."""
+    return name.encode("utf-8", "surrogateescape")[:_NAME_KEPT].decode("utf-8", "ignore")
 
 
 def _mode_for(target: Path) -> int:

@@ -56,18 +56,22 @@ class DeviceCapability:
     :param note: the hardware facts behind the two lists, in the user's words (``"compute
         capability 7.5: no bfloat16 (needs 8.0, Ampere)"``); shown by ``mixprec backends``,
         by ``auto``'s float32 warning and by refusals, so they name the missing feature.
+    :param fp8_recipes: the FP8 recipes (:data:`mixprec.fp8.FP8_RECIPES`) the backend runs
+        on it, natively or emulated; a policy with another ``fp8`` recipe is refused there.
     """
 
     device: str
     compute_dtypes: tuple[str, ...]
     fast_dtypes: tuple[str, ...] = ()
     note: str = ""
+    fp8_recipes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line such as ``cpu: float32, bfloat16 (fast: bfloat16) — avx512_bf16``."""
         fast = f" (fast: {', '.join(self.fast_dtypes)})" if self.fast_dtypes else ""
+        fp8 = f" (fp8: {', '.join(self.fp8_recipes)})" if self.fp8_recipes else ""
         note = f" — {self.note}" if self.note else ""
-        return f"{self.device}: {', '.join(self.compute_dtypes)}{fast}{note}"
+        return f"{self.device}: {', '.join(self.compute_dtypes)}{fast}{fp8}{note}"
 
 
 #: What a framework does with an op family a backend cannot see (:class:`UnseenOp`).

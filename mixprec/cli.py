@@ -52,6 +52,8 @@ def describe_policy(name: str, policy: Policy, *, lists: bool = True) -> str:
         lines.append(f"  master   {policy.describe_master()}")
     if policy.state is not None:
         lines.append(f"  state    {policy.describe_state()}")
+    if policy.fp8 is not None:
+        lines.append(f"  fp8      linear as FP8 GEMMs, {policy.fp8.describe()}")
     if lists:
         for list_name in _LISTS:
             ops = sorted(getattr(policy.ops, list_name))

@@ -21,7 +21,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mixprec.errors import PolicyError
-from mixprec.grammar import format_loss_scale, loss_scale_from_value, parse_module_rule
+from mixprec.grammar import (
+    check_policy_mapping,
+    format_loss_scale,
+    loss_scale_from_value,
+    parse_module_rule,
+)
 from mixprec.presets import (
     BUILTIN_PRESETS,
     ROLE_FIELDS,
@@ -83,7 +88,7 @@ def _format_from(policy: PolicyFields, base_name: str) -> str:
     if policy.compute != base.compute:
         over["compute"] = policy.compute
     start = derive(base, over)
-    for role in ("param", "output", "master", "reduce", "state"):
+    for role in ("param", "output", "master", "reduce", "state", "fp8"):
         if getattr(policy, role) != getattr(start, role):
             over[role] = getattr(policy, role)
     start = derive(base, over)
@@ -163,7 +168,10 @@ def policy_from_mapping(d: Mapping[str, Any], preset: Callable[[str], P]) -> P:
 
     :param preset: the preset a name stands for (raising :class:`PolicyError` for an
         unknown one).
+    :raises PolicyError: a value of the wrong shape (checked first, whole:
+        :func:`mixprec.grammar.check_policy_mapping`), an unknown key, preset or value.
     """
+    check_policy_mapping(d)
     unknown = sorted(set(d) - set(MAPPING_KEYS))
     if unknown:
         close = difflib.get_close_matches(unknown[0], MAPPING_KEYS, n=1)

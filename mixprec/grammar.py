@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import re
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ from mixprec.rules import ListName, ModuleRule, list_name
 
 __all__ = [
     "DYNAMIC_FIELDS",
+    "check_policy_mapping",
     "format_loss_scale",
     "format_number",
     "loss_scale_from_value",
@@ -130,7 +132,8 @@ def _parse_loss_scale(text: str) -> LossScaleConfig:
 
 
 def _loss_scale_from_mapping(d: Mapping[str, Any]) -> LossScaleConfig:
-    cls = LOSS_SCALE_KINDS.get(d.get("kind"))  # type: ignore[arg-type]
+    kind = d.get("kind")
+    cls = LOSS_SCALE_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise PolicyError(
             f"loss_scale table needs kind = one of {sorted(LOSS_SCALE_KINDS)}, "
@@ -202,6 +205,89 @@ def parse_module_rule(key: str, value: str) -> ModuleRule:
                     f"module rule {key}={value} puts {op!r} in two lists; name it in one"
                 )
     return ModuleRule(match.strip(), pattern.strip(), found[1] or None, ops)
+
+
+# ---------------------------------------------------------------------- mapping shapes
+
+_SCALAR = (str, int, float, bool)
+_ROLE_OR_NAME = frozenset(
+    ("base", "name", "params", "param", "compute", "output", "master", "reduce", "state")
+)
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxstring, _short.maxother = 3, 60, 60
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, bounded in length and depth (a hostile file can nest 10,000 deep)."""
+    return _short.repr(value)
+
+
+def _op_lists(where: str, value: object) -> None:
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(op, str) for op in v)
+        for k, v in value.items()
+    ):
+        raise PolicyError(
+            f"{where} must map op lists to lists of op names, e.g. {{'fp32': ['softmax']}}; "
+            f"got {_shown(value)}"
+        )
+
+
+def _module_rules(where: str, value: object) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise PolicyError(
+            f"{where} must be a list of module rules (tables with match, pattern, dtype and/or "
+            f"ops, or strings such as 'class:*BatchNorm*=float32'); got {_shown(value)}"
+        )
+    for rule in value:
+        if isinstance(rule, (str, ModuleRule)):
+            continue
+        if not isinstance(rule, Mapping) or not all(_rule_item(k, v) for k, v in rule.items()):
+            raise PolicyError(
+                f"bad module rule {_shown(rule)} in {where}; give a table with keys match "
+                "('class' or 'path'), pattern, dtype (strings) and/or ops (a table of "
+                "op = list name)"
+            )
+
+
+def _rule_item(key: object, value: object) -> bool:
+    """Whether one entry of a module-rule table has its shape: ``ops`` a table of op = list
+    name, the others strings (or None)."""
+    if key == "ops":
+        return isinstance(value, Mapping) and all(
+            isinstance(op, str) and isinstance(where, str) for op, where in value.items()
+        )
+    return isinstance(key, str) and (value is None or isinstance(value, str))
+
+
+def check_policy_mapping(d: object) -> None:
+    """Refuse a policy mapping (a TOML file, a checkpoint's saved policy) whose values have
+    the wrong shape, before any of it is read: each role and ``base``/``name`` a string (or
+    None), ``ops``/``move_ops`` tables of lists of op names, ``modules``/``add_modules`` lists
+    of rules, ``loss_scale`` a string, a number or a flat table of them.
+
+    :raises PolicyError: naming the key, what it must be, and (bounded) what it was.
+    """
+    if not isinstance(d, Mapping) or not all(isinstance(k, str) for k in d):
+        raise PolicyError(f"a policy mapping must be a table of named settings, got {_shown(d)}")
+    for key, value in d.items():
+        if key in _ROLE_OR_NAME and not (value is None or isinstance(value, str)):
+            raise PolicyError(
+                f"policy key {key!r} must be a string (a preset or dtype name), got {_shown(value)}"
+            )
+        if key in ("ops", "move_ops"):
+            _op_lists(repr(key), value)
+        if key in ("modules", "add_modules"):
+            _module_rules(repr(key), value)
+        if key == "loss_scale" and not (
+            isinstance(value, _SCALAR)
+            or isinstance(value, (NoScale, StaticScale, DynamicScale))
+            or (
+                isinstance(value, Mapping)
+                and all(isinstance(k, str) and isinstance(v, _SCALAR) for k, v in value.items())
+            )
+        ):
+            raise PolicyError(f"bad loss_scale {_shown(value)}; write {_LOSS_SCALE_FORMS}")
 
 
 # ---------------------------------------------------------------------- TOML writing

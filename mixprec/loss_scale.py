@@ -82,7 +82,7 @@ class LossScale(Protocol):
 def _positive_finite(name: str, value: object, fix: str) -> float:
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float
         number = math.nan
     if isinstance(value, bool) or not (math.isfinite(number) and number > 0):
         raise PolicyError(f"{name} must be a positive finite number, got {value!r}; {fix}")
@@ -399,7 +399,7 @@ LOSS_SCALE_KINDS: dict[str, type[NoScale] | type[StaticScale] | type[DynamicScal
 def loss_scale_from_state_dict(d: Mapping[str, Any]) -> LossScaleConfig:
     """Rebuild the exact loss-scale state that ``state.state_dict()`` returned."""
     kind = d.get("kind")
-    cls = LOSS_SCALE_KINDS.get(kind)  # type: ignore[arg-type]
+    cls = LOSS_SCALE_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise CheckpointError(
             f"unknown loss-scale kind {kind!r} in a saved state; expected one of "

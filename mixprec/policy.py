@@ -41,6 +41,7 @@ from mixprec.decision import explain as explain_chain
 from mixprec.dtypes import POLICY_DTYPES, canonical_dtype, holds
 from mixprec.errors import PolicyError
 from mixprec.forms import format_policy, policy_from_mapping
+from mixprec.fp8 import FP8Recipe, check_fp8, describe_fp8
 from mixprec.grammar import toml_dumps
 from mixprec.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
 from mixprec.presets import builtin_preset_name, builtin_preset_names, preset_fields
@@ -49,6 +50,7 @@ from mixprec.rules import LIST_NAMES, ListName, ModuleRule, OpRules, with_rule
 __all__ = [
     "LIST_NAMES",
     "Decision",
+    "FP8Recipe",
     "ListName",
     "LossScaleConfig",
     "ModuleRule",
@@ -98,6 +100,9 @@ class Policy:
     - ``state``: None (the optimizer's state as it allocates it), or ``"bfloat16"``: under
       a compensated ``master`` the optimizer's per-parameter state is kept in bfloat16
       between steps, rounded stochastically (:mod:`mixprec.compensated`);
+    - ``fp8``: None, or the :class:`~mixprec.fp8.FP8Recipe` (``"tensorwise"``,
+      ``"rowwise"``, ``"delayed"``, ``"mxfp8"``) under which the ``linear`` family runs as an
+      FP8 GEMM on top of a bfloat16 or float16 compute dtype (:mod:`mixprec.fp8`);
     - ``loss_scale``: :class:`~mixprec.NoScale`, :class:`~mixprec.StaticScale` or
       :class:`~mixprec.DynamicScale` (its configuration only: it is stored reset);
     - ``ops``: the global :class:`OpRules`; ``modules``: the :class:`ModuleRule` s;
@@ -105,8 +110,9 @@ class Policy:
 
     :raises PolicyError: an unknown dtype, a master copy that is pointless (same dtype as
         ``param``) or narrower than ``param``, a compensated strategy without bfloat16
-        params, a ``state`` without a compensated strategy, or two module rules for the
-        same pattern.
+        params, a ``state`` without a compensated strategy, an ``fp8`` recipe that is
+        unknown or on a compute dtype other than bfloat16/float16, or two module rules for
+        the same pattern.
     """
 
     param: str
@@ -119,6 +125,7 @@ class Policy:
     modules: tuple[ModuleRule, ...]
     name: str | None = field(default=None, compare=False)
     state: str | None = None
+    fp8: FP8Recipe | None = None
     _decisions: dict[tuple[Any, ...], Decision] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -149,6 +156,7 @@ class Policy:
                 )
         set_(self, "master", master)
         set_(self, "state", check_state(self.state, master))
+        set_(self, "fp8", check_fp8(self.fp8, self.compute))
         if not isinstance(self.loss_scale, NoScale | StaticScale | DynamicScale):
             raise PolicyError(
                 f"loss_scale must be NoScale(), StaticScale(s) or DynamicScale(...), got "
@@ -216,8 +224,34 @@ class Policy:
         module: str | None = None,
         module_class: str | Sequence[str] | None = None,
     ) -> str:
-        """The chain of rules :meth:`decide` consults for this op, and which one wins."""
-        return explain_chain(self, op, tuple(input_dtypes), module, _classes(module_class))
+        """The chain of rules :meth:`decide` consults for this op, and which one wins (and,
+        under ``fp8``, whether the ``linear`` family runs as an FP8 GEMM there)."""
+        text = explain_chain(self, op, tuple(input_dtypes), module, _classes(module_class))
+        if op == "linear" and self.fp8 is not None:
+            recipe = self.fp8_for(module, module_class)
+            note = describe_fp8(self.fp8, self.compute)
+            if recipe is None:
+                note = f"{note}\n  Here a rule decides: no FP8."
+            text = f"{text}\n{note}"
+        return text
+
+    def fp8_for(
+        self, module: str | None, module_class: str | Sequence[str] | None
+    ) -> FP8Recipe | None:
+        """The FP8 recipe a linear layer at ``module`` runs under, or None.
+
+        A layer runs in FP8 when the policy has an ``fp8`` recipe and the ``linear`` family
+        there is decided by the global op lists (not a module rule) and comes out in the
+        compute dtype. So ``path:lm_head=bfloat16``, a class rule or ``fp32+=linear`` keep
+        layers out of FP8. A backend also keeps out the layers inside a module a rule pins
+        (the pin covers everything inside it).
+        """
+        if self.fp8 is None:
+            return None
+        decision = self.decide("linear", (self.compute,), module, module_class)
+        if decision.source in ("global", "default") and decision.dtype == self.compute:
+            return self.fp8
+        return None
 
     # ------------------------------------------------------------------ modules
 
@@ -314,6 +348,7 @@ class Policy:
             master=self.master,
             reduce=self.reduce,
             state=self.state,
+            fp8=None if self.fp8 is None else str(self.fp8),
             loss_scale=self.loss_scale.state_dict(),
             ops=self.ops.lists(),
             modules=[rule.to_dict() for rule in self.modules],
@@ -335,6 +370,7 @@ class Policy:
         data = self.to_dict()
         data["master"] = data["master"] or "none"  # TOML has no null
         data["state"] = data["state"] or "none"
+        data["fp8"] = data["fp8"] or "none"
         data["modules"] = [
             {key: value for key, value in rule.items() if value not in (None, {})}
             for rule in data["modules"]

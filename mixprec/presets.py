@@ -14,10 +14,12 @@ auto       float32    "auto" (O1 lists)  float32  —        float32 (rule)  dec
 ``O1``…``O3`` compute in float16 and ``O1-bf16``…``O3-bf16`` in bfloat16. (*) dynamic for
 float16, none for bfloat16. ``O3-bf16-kahan`` and ``O3-bf16-sr`` are O3-bf16 with the
 compensated master-weight strategies ``master=kahan`` and ``master=stochastic``
-(:mod:`mixprec.compensated`). Aliases: ``32`` → O0, ``16-mixed`` → O1, ``bf16-mixed`` →
-O1-bf16, ``16-true`` → O3, ``bf16-true`` → O3-bf16. Gradients are reduced in float32 except
-under O3. Names are case-insensitive. This module knows the built-in presets only; the front
-door :mod:`mixprec.spec` adds plugin presets, strings, dicts and TOML (:func:`mixprec.get_policy`).
+(:mod:`mixprec.compensated`); ``O1-fp8`` and ``O2-fp8`` are O1-bf16 and O2-bf16 with
+``fp8=tensorwise``: their ``linear`` layers run as FP8 GEMMs (:mod:`mixprec.fp8`).
+Aliases: ``32`` → O0, ``16-mixed`` → O1, ``bf16-mixed`` → O1-bf16, ``16-true`` → O3,
+``bf16-true`` → O3-bf16. Gradients are reduced in float32 except under O3. Names are
+case-insensitive. This module knows the built-in presets only; the front door
+:mod:`mixprec.spec` adds plugin presets, strings, dicts and TOML (:func:`mixprec.get_policy`).
 
 **Below the policy.** The catalog is data and functions *over* policies: it sits under
 :mod:`mixprec.policy` in the core's floors and never imports it, so that ``str(policy)``
@@ -57,6 +59,7 @@ from mixprec.dtypes import (
     is_low_precision,
 )
 from mixprec.errors import MixprecWarning, PolicyError
+from mixprec.fp8 import FP8Recipe
 from mixprec.loss_scale import DynamicScale, LossScaleConfig, NoScale
 from mixprec.ops import (
     DEFAULT_BANNED,
@@ -110,6 +113,8 @@ class PolicyFields(Protocol):
     @property
     def state(self) -> str | None: ...
     @property
+    def fp8(self) -> FP8Recipe | None: ...
+    @property
     def loss_scale(self) -> LossScaleConfig: ...
     @property
     def ops(self) -> OpRules: ...
@@ -134,10 +139,14 @@ BUILTIN_PRESETS: tuple[str, ...] = (
     "O3-bf16",
     "O3-bf16-kahan",
     "O3-bf16-sr",
+    "O1-fp8",
+    "O2-fp8",
     "auto",
 )
 #: The compensated presets: O3-bf16 with a master-weight strategy (:mod:`mixprec.compensated`).
 _STRATEGY_PRESETS: dict[str, str] = {"O3-bf16-kahan": KAHAN, "O3-bf16-sr": STOCHASTIC}
+#: The FP8 presets: O1-bf16 / O2-bf16 with ``fp8=tensorwise`` (:mod:`mixprec.fp8`).
+_FP8_PRESETS: dict[str, str] = {"O1-fp8": "O1-bf16", "O2-fp8": "O2-bf16"}
 #: Lightning-style aliases of built-in presets.
 ALIASES: dict[str, str] = {
     "32": "O0",
@@ -150,7 +159,7 @@ _BY_LOWER = {name.lower(): name for name in (*BUILTIN_PRESETS, *ALIASES)}
 #: The roles that name a dtype, in the order they are printed.
 DTYPE_ROLES: tuple[str, ...] = ("param", "compute", "output", "master", "reduce", "state")
 #: Every role field a spec or an override may set (``params`` is accepted for ``param``).
-ROLE_FIELDS: tuple[str, ...] = (*DTYPE_ROLES, "loss_scale")
+ROLE_FIELDS: tuple[str, ...] = (*DTYPE_ROLES, "loss_scale", "fp8")
 _BATCHNORM = ModuleRule("class", "*BatchNorm*", FLOAT32)
 
 
@@ -220,7 +229,7 @@ def _fields(
 ) -> dict[str, Any]:
     return dict(
         param=param, compute=compute, output=output, master=master, reduce=reduce,
-        state=None, loss_scale=loss_scale, ops=ops, modules=modules,
+        state=None, loss_scale=loss_scale, ops=ops, modules=modules, fp8=None,
     )  # fmt: skip
 
 
@@ -246,6 +255,9 @@ def _build(level: str, lowp: str) -> dict[str, Any]:
 def _preset_fields(canonical: str) -> dict[str, Any]:
     if canonical in _STRATEGY_PRESETS:
         return {**_build("O3", BFLOAT16), "master": _STRATEGY_PRESETS[canonical]}
+    if canonical in _FP8_PRESETS:
+        base = _preset_fields(_FP8_PRESETS[canonical])
+        return {**base, "fp8": FP8Recipe("tensorwise")}
     if canonical == "auto":
         # O1's float16 lists: the conservative ones until the device picks the dtype
         return {**_build("O1", FLOAT16), "compute": "auto", "loss_scale": NoScale()}
@@ -360,7 +372,7 @@ def derive(base: P, overrides: Mapping[str, Any]) -> P:
         fields.update(_follow_compute(base, given["compute"]))
     fields.update(
         (role, given[role])
-        for role in ("param", "output", "master", "reduce", "state")
+        for role in ("param", "output", "master", "reduce", "state", "fp8")
         if role in given
     )
     if "loss_scale" in given:

@@ -148,6 +148,7 @@ class LossScaler:
         try:
             state = loss_scale_from_state_dict(d["loss_scale"])
             steps, skipped = _count(d["steps"]), _count(d["skipped_steps"])
+            last = _flag(d["last_step_skipped"])
         except (TypeError, ValueError) as err:
             raise CheckpointError(
                 f"loss-scaler state is malformed ({err}); pass what LossScaler.state_dict() "
@@ -162,7 +163,7 @@ class LossScaler:
         self.state = state
         self.steps = steps
         self.skipped_steps = skipped
-        self.last_step_skipped = bool(d["last_step_skipped"])
+        self.last_step_skipped = last
 
     def snapshot(self, policy: Policy) -> MixprecState:
         """This scaler's counters and events, with the ``policy`` they run under."""
@@ -211,7 +212,21 @@ class ScalerCounters:
 
 
 def _count(value: Any) -> int:
-    """A saved counter as an int; anything but a non-negative whole number is malformed."""
-    if isinstance(value, bool) or int(value) != value or value < 0:
+    """A saved counter as an int; anything but a non-negative whole number (an inf, a NaN, a
+    fraction, a bool, a string) is malformed."""
+    try:
+        whole = not isinstance(value, bool) and int(value) == value and value >= 0
+    except (TypeError, ValueError, OverflowError):  # None, "3", inf, NaN
+        whole = False
+    if not whole:
         raise ValueError(f"counter {value!r} is not a non-negative whole number")
     return int(value)
+
+
+def _flag(value: Any) -> bool:
+    """A saved flag as a bool; anything but a bool (or 0 and 1) is malformed."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"last_step_skipped {value!r} is not True or False")

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.backend import Capabilities
-from mixprec.errors import PolicyError
+from mixprec.errors import PolicyError, UnsupportedDtypeError
 from mixprec.forms import ROLE_KEYS, format_policy, parsed_roles
 from mixprec.forms import policy_from_mapping as _from_mapping
 from mixprec.grammar import parse_module_rule, split_items, split_ops
@@ -168,17 +168,39 @@ def read_toml(path_or_text: str | os.PathLike[str]) -> Policy:
     if isinstance(path_or_text, os.PathLike) or (
         "\n" not in text and text.strip().endswith(".toml")
     ):
-        try:
-            text = Path(text).read_text(encoding="utf-8")
-        except OSError as err:
-            raise PolicyError(
-                f"cannot read policy file {os.fspath(path_or_text)!r}: {err}"
-            ) from err
+        text = _read_policy_file(text)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise PolicyError(f"policy TOML is not valid TOML: {err}") from err
+    except RecursionError:
+        raise PolicyError(
+            "policy TOML nests arrays or tables too deeply to read; a policy needs two levels"
+        ) from None
     return policy_from_mapping(data)
+
+
+#: The largest policy file read: real ones are a few kilobytes; a path to ``/dev/zero`` or
+#: a huge file must not be read without bound.
+MAX_POLICY_BYTES = 1 << 20
+
+
+def _read_policy_file(path: str) -> str:
+    """The UTF-8 text of a policy file of at most :data:`MAX_POLICY_BYTES`."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_POLICY_BYTES + 1)
+    except OSError as err:
+        raise PolicyError(f"cannot read policy file {path!r}: {err}") from err
+    if len(data) > MAX_POLICY_BYTES:
+        raise PolicyError(
+            f"policy file {path!r} is larger than {MAX_POLICY_BYTES >> 20} MiB; a policy is a "
+            "short TOML file (mixprec.Policy.to_toml writes one)"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PolicyError(f"policy file {path!r} is not UTF-8 text ({err})") from None
 
 
 def policy_from_spec(spec: object) -> Policy:
@@ -268,7 +290,9 @@ def resolve_for_device(
     """The concrete policy ``backend`` runs on ``device``; every backend resolves through this.
 
     In order: ``get_policy(spec, **overrides)``; ``auto`` resolved with
-    ``capabilities.preferred_lowp(device)`` (:func:`mixprec.resolve_auto`); ``check(policy)``,
+    ``capabilities.preferred_lowp(device)`` (:func:`mixprec.resolve_auto`); an ``fp8``
+    recipe the device does not list (``DeviceCapability.fp8_recipes``) refused;
+    ``check(policy)``,
     the backend's own refusal of dtypes it cannot run; then the ``mixprec_policy_resolved``
     hook with ``(policy, backend, device)``. So observers hear only of policies that passed.
 
@@ -278,12 +302,34 @@ def resolve_for_device(
         compute on (``auto`` then resolves to O0, with its warning).
     :raises BackendNotAvailable: ``capabilities`` has no entry for ``device``.
     :raises PolicyError: a bad spec or override; ``check``'s own errors pass through.
+    :raises UnsupportedDtypeError: an ``fp8`` recipe the backend does not run on ``device``.
     """
     policy = get_policy(spec, **overrides)
     preferred = None if capabilities is None else capabilities.preferred_lowp(device)
     why = "" if capabilities is None else capabilities.device(device).note
     policy = resolve_auto(policy, preferred, why)
+    if policy.fp8 is not None and capabilities is not None:
+        _check_fp8(policy, backend, capabilities.device(device).fp8_recipes, device)
     if check is not None:
         check(policy)
     policy_resolved(policy, backend, device)
     return policy
+
+
+def _check_fp8(policy: Policy, backend: str, recipes: tuple[str, ...], device: str) -> None:
+    """Refuse an ``fp8`` recipe the backend does not run on ``device``, before it is used."""
+    assert policy.fp8 is not None
+    if policy.fp8.name in recipes:
+        return
+    if recipes:
+        fix = f"use one of the recipes it runs there: {', '.join(recipes)} (fp8=<recipe>)"
+    else:
+        fix = (
+            f"the {backend} backend runs no FP8 there; drop the fp8 item (policy "
+            f"{str(dataclasses.replace(policy, fp8=None, name=None))!r}), or use a backend "
+            "that runs FP8 (the torch backend emulates it on any CPU or CUDA device)"
+        )
+    raise UnsupportedDtypeError(
+        f"policy {policy.label} asks for fp8={policy.fp8}, which the {backend} backend does "
+        f"not run on {device}; {fix}"
+    )

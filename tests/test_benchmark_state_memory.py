@@ -47,5 +47,10 @@ def test_bytes_kept_between_steps_per_parameter(
     parts, grads = _kept(model, opt)
     n = sum(p.numel() for p in model.parameters())
     counters = storage_bytes(s["step"] for s in opt.state.values())  # AdamW's step scalars
-    assert sum(parts.values()) - counters == per_param * n
+    # between steps the compensated presets' working masters are placeholders: views of one
+    # shared float32 element (mixprec_torch.compensation), 4 bytes whatever the model's size
+    placeholder = 4 if "-kahan" in policy or "-sr" in policy else 0
+    if placeholder:
+        assert parts["masters"] == placeholder
+    assert sum(parts.values()) - counters == per_param * n + placeholder
     assert grads == grads_per_param * n

@@ -54,7 +54,7 @@ def test_the_support_table_has_one_row_per_preset() -> None:
 
 
 def _runs(cell: str) -> bool:
-    assert re.fullmatch(r"yes[¹²]?|slow|refused|—", cell), cell
+    assert re.fullmatch(r"yes[¹²³⁴]?|slow|refused|—", cell), cell
     return cell != "refused"
 
 

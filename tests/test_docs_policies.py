@@ -98,7 +98,7 @@ def _presets() -> str:
         "| preset | aliases | param | compute | output | master | reduce |",
         "|---|---|---|---|---|---|---|",
     ]
-    rules = ["| preset | loss scale | op lists | module rules |", "|---|---|---|---|"]
+    rules = ["| preset | loss scale | op lists | module rules | fp8 |", "|---|---|---|---|---|"]
     for name in presets.BUILTIN_PRESETS:
         p = mixprec.get_policy(name)
         aliases = ", ".join(f"`{a}`" for a, target in presets.ALIASES.items() if target == name)
@@ -108,7 +108,8 @@ def _presets() -> str:
             f"| `{name}` | {aliases or '—'} | {p.param} | {p.compute} | {p.output} "
             f"| {p.master or '—'} | {p.reduce} |"
         )
-        rules.append(f"| `{name}` | `{scale}` | {_op_lists_cell(p)} | {module_rules} |")
+        fp8 = f"`{p.fp8}`" if p.fp8 is not None else "—"
+        rules.append(f"| `{name}` | `{scale}` | {_op_lists_cell(p)} | {module_rules} | {fp8} |")
     return "\n".join(roles) + "\n\n" + "\n".join(rules) + "\n"
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "conformance_adapter",
     "dtype_report",
     "ema",
+    "fp8_statistics",
     "fsdp_mixed_precision_policy",
     "fully_shard_with_policy",
     "master_params",
@@ -87,6 +88,7 @@ _LAZY = {
     "register_ddp_reduce_hook": "mixprec_torch.sharding",
     "all_reduce_found_inf": "mixprec_torch.distributed",
     "dtype_report": "mixprec_torch.diagnostics",
+    "fp8_statistics": "mixprec_torch.fp8_stats",
     "overflowing_params": "mixprec_torch.diagnostics",
     "overflow_records": "mixprec_torch.diagnostics",
     "underflow_fraction": "mixprec_torch.diagnostics",
@@ -106,6 +108,7 @@ if TYPE_CHECKING:  # pragma: no cover
         underflow_fraction,
     )
     from mixprec_torch.distributed import all_reduce_found_inf
+    from mixprec_torch.fp8_stats import fp8_statistics
     from mixprec_torch.loop import master_params, scale_loss, state, unscale_
     from mixprec_torch.native import native_dtypes
     from mixprec_torch.recompute import checkpoint_context

@@ -20,11 +20,14 @@ from torch import nn
 from mixprec.advice import AdviceReport, ModuleSensitivity
 from mixprec.advisor import RSS_MEASURE, AdviceError, run_advice
 from mixprec.backend import Capabilities
+from mixprec.fp8 import FP8_RECIPES
+from mixprec.fp8_stats import FP8Statistics
 from mixprec.scaler import LossScaler
 from mixprec.spec import get_policy
 
 from .devices import capabilities, device_key
 from .diagnostics import underflow_fraction
+from .fp8_stats import fp8_statistics
 from .loop import scale_loss, state
 from .wrapping import wrap
 
@@ -173,6 +176,16 @@ class _TorchTarget:
         if scale != 1.0:
             capture.grads = {name: g.float() / scale for name, g in capture.grads.items()}
         return capture
+
+    def fp8_statistics(self, policy: str, batch: Any) -> FP8Statistics:
+        """The FP8 what-if statistics of one step of a copy under ``policy`` (its recipe)."""
+        resolved = get_policy(policy)
+        recipes = (resolved.fp8.name,) if resolved.fp8 is not None else FP8_RECIPES
+        model = wrap(copy.deepcopy(self.model), policy=resolved)
+        inputs, target = batch
+        with fp8_statistics(model, recipes) as stats:
+            self.loss_fn(model(inputs), target).float().backward()
+        return stats
 
     def sensitivity(self, policy: str, batch: Any) -> list[ModuleSensitivity]:
         ref, low = self._measure(None, batch), self._measure(policy, batch)

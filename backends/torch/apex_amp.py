@@ -171,7 +171,11 @@ def initialize(
         keep_dtypes=keep,
     )
     for opt in opts:  # wrapped in place: wrappers such as LARC now hold a wrapped optimizer
-        optimizer_state(opt).group.skip_each = True  # apex: only overflowing optimizers skip
+        st = optimizer_state(opt)
+        st.group.skip_each = True  # apex: only overflowing optimizers skip
+        # apex: every step, taken or skipped, clears the float32 master gradients, which a
+        # user's model.zero_grad() cannot reach (their losses accumulate there until the step)
+        st.drop_master_grads = True
         _OPTS[opt] = _OptAmp()
     _AMP.enabled, _AMP.policy = True, policy
     _AMP.scalers = [LossScaler(scale) for _ in range(num_losses)]
@@ -191,9 +195,14 @@ def _opt_list(optimizers: Any) -> list[Any]:
     return [_inner(o) for o in opts]
 
 
-def _stash(opt: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def _stash(st: OptimizerState, opt: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Take the gradients the optimizer already holds (unscaled, from an earlier loss of
-    this step) out of the way, so the next backward starts from None."""
+    this step) out of the way, so the next backward starts from None. The low-precision
+    model gradients are dropped (apex's ``prepare_backward``): what they hold came from a
+    backward pass of another optimizer's loss (a GAN's generator loss runs through the
+    discriminator), never from this optimizer's, which its last ``scale_loss`` consumed."""
+    for model_param in copies(st, opt)[0]:
+        model_param.grad = None
     saved = []
     for group in opt.param_groups:
         for param in group["params"]:
@@ -227,7 +236,9 @@ def _exit(
 ) -> None:
     flags: list[torch.Tensor] = []
     for st, opt in zip(states, opts, strict=True):
-        unscale(st, opt, scale=scaler.scale)  # model grads -> float32 master grads, / scale
+        # model grads -> float32 master grads, / scale; the loss's scaler hears of an inf or
+        # NaN now (apex), the guard's norm check runs at the step, after any clip or edit
+        unscale(st, opt, scale=scaler.scale, check=False)
         flags.extend(st.found_inf)
     found = reduce_found_inf(flags, states[0].group.device)
     scaler.update(found)
@@ -280,7 +291,7 @@ def scale_loss(
     for st, opt in zip(states, opts, strict=True):
         info = _OPTS.setdefault(opt, _OptAmp())
         _enter(st, info)
-        stashes.append(None if info.scaled else _stash(opt))
+        stashes.append(None if info.scaled else _stash(st, opt))
     scaled = loss.float() * scaler.scale if scaler.enabled else loss.float()
     try:
         yield scaled
@@ -338,16 +349,38 @@ def load_state_dict(state: Mapping[str, Any]) -> None:
     loaded = []
     for i, scaler in enumerate(_AMP.scalers):
         entry = state[f"loss_scaler{i}"]
+        if not isinstance(entry, Mapping):
+            raise CheckpointError(
+                f"amp state entry 'loss_scaler{i}' is a {type(entry).__name__}, not a dict; "
+                "pass what amp.state_dict() returned"
+            )
         if "mixprec" in entry:
             fresh = LossScaler(scaler.state)
             fresh.load_state_dict(entry["mixprec"])
             loaded.append(fresh.state_dict())
         elif isinstance(scaler.state, DynamicScale):  # saved by apex itself
-            good = int(entry["unskipped"]) % scaler.state.interval
-            moved = dataclasses.replace(scaler.state, scale=float(entry["loss_scale"]))
-            loaded.append({**scaler.state_dict(), "loss_scale": moved.state_dict()})
-            loaded[-1]["loss_scale"]["good_steps"] = good
+            loaded.append(_from_apex(scaler, entry, i))
         else:
             loaded.append(scaler.state_dict())
     for scaler, saved in zip(_AMP.scalers, loaded, strict=True):  # all checked: now change
         scaler.load_state_dict(saved)
+
+
+def _from_apex(scaler: LossScaler, entry: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """The scaler state for an entry apex's own amp saved (``loss_scale``, ``unskipped``),
+    checked whole: a missing, non-finite or negative value raises CheckpointError."""
+    state = scaler.state
+    assert isinstance(state, DynamicScale)
+    try:
+        unskipped = entry["unskipped"]
+        if isinstance(unskipped, bool) or int(unskipped) != unskipped or unskipped < 0:
+            raise ValueError(f"unskipped={unskipped!r} is not a non-negative whole number")
+        moved = dataclasses.replace(
+            state, scale=entry["loss_scale"], good_steps=int(unskipped) % state.interval
+        )
+    except (KeyError, TypeError, ValueError, OverflowError) as err:
+        raise CheckpointError(
+            f"amp state entry 'loss_scaler{i}' is malformed ({err}); it needs 'loss_scale' "
+            "(a positive finite number) and 'unskipped' (a step count), as apex saved them"
+        ) from err
+    return {**scaler.state_dict(), "loss_scale": moved.state_dict()}

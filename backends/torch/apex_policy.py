@@ -6,6 +6,7 @@ docs/migration.md has the table this module implements, argument by argument.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from mixprec.dtypes import is_low_precision
@@ -39,21 +40,34 @@ def apex_loss_scale(
         config = base.loss_scale
     elif loss_scale == "dynamic":
         config = DynamicScale()
-    elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return NoScale() if float(loss_scale) == 1.0 else StaticScale(float(loss_scale))
     elif isinstance(loss_scale, (NoScale, StaticScale, DynamicScale)):
         return loss_scale.fresh()
     else:
-        raise PolicyError(
-            f"loss_scale must be None, 'dynamic', a number or a mixprec loss scale, got "
-            f"{loss_scale!r}"
-        )
+        number = _static_scale(loss_scale)
+        return NoScale() if number == 1.0 else StaticScale(number)
     if not isinstance(config, DynamicScale):
         return config
     low = _NO_FLOOR if min_scale is None else float(min_scale)
     high = float(max_scale)
     init = min(max(config.init, low), high)
     return dataclasses.replace(config, init=init, scale=init, min=low, max=high)
+
+
+def _static_scale(value: object) -> float:
+    """apex's ``float(loss_scale)``: a number, or a string of one (its examples pass
+    ``args.loss_scale`` straight from argparse); positive and finite."""
+    number = math.nan
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            pass
+    if not (math.isfinite(number) and number > 0):
+        raise PolicyError(
+            f"loss_scale must be None, 'dynamic', a positive finite number (or a string of "
+            f"one, such as '128.0') or a mixprec loss scale, got {value!r}"
+        )
+    return number
 
 
 def apex_policy(

@@ -48,8 +48,13 @@ def _record(model: nn.Module) -> ModelRecord | None:
 
 
 def _float32_view(record: ModelRecord | None, param: torch.Tensor) -> torch.Tensor:
-    """The float32 value behind ``param``: its master, else the parameter."""
+    """The float32 value behind ``param``: its master (``w + c`` under ``master=kahan``,
+    a fresh tensor: compensated masters hold no memory between steps), else the parameter."""
     if record is not None and isinstance(param, nn.Parameter):
+        compensation = record.group.compensation
+        best = compensation.best(param) if compensation is not None else None
+        if best is not None:
+            return best
         try:
             return record.group.masters.master_for(param)
         except WrapError:  # not in the map (a parameter added after wrap): its own value
@@ -94,6 +99,8 @@ class AveragedModel(swa_utils.AveragedModel):
         accumulator of its own (a low-precision tensor without a master)."""
         self._rounded: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(model-facing tensor, its float32 average) where the two differ."""
+        self._compensation = record.group.compensation if record is not None else None
+        """The copy's own compensated strategy: the average goes into ``w + c``."""
         for tensor in self._averaged_tensors(self.module):
             target = _float32_view(record, tensor).detach()
             if target.is_floating_point() and target.dtype != torch.float32:
@@ -130,7 +137,8 @@ class AveragedModel(swa_utils.AveragedModel):
         else:
             self._average([t for t, _ in pairs], [s for _, s in pairs])
         for tensor, target in self._rounded:
-            tensor.copy_(target)  # rounds into the copy's low-precision parameters
+            if self._compensation is None or not self._compensation.assign(tensor, target):
+                tensor.copy_(target)  # rounds into the copy's low-precision parameters
         if not self.use_buffers:
             # as torch: buffers are not averaged but follow the source model
             for mine, theirs in zip(self.module.buffers(), model.buffers(), strict=True):

@@ -41,12 +41,20 @@ import torch
 from torch import nn
 
 from .copies import CopyOnly
-from .dtypes import cast_floating
+from .dtypes import cast_floating, holds_wide_float
 from .regions import Region, anchor, pop, push
 from .torch_private import in_backward
 from .tracing import autocast_each, disable_autocast
 
-__all__ = ["EntryHooks", "ModuleForward", "Owner", "hooks_local", "open_region", "undo"]
+__all__ = [
+    "EntryHooks",
+    "ModuleForward",
+    "Owner",
+    "hooks_local",
+    "made_inside",
+    "open_region",
+    "undo",
+]
 
 _OFF = object()
 """Autocast state for a traced part: turned off inside."""
@@ -120,6 +128,19 @@ def _open_boundary(owner: Owner, region: Region | None, off: bool) -> list[Any]:
     return undo
 
 
+def made_inside(dtype: torch.dtype | None, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An entry inside the model's forward (or its recomputation in backward): a float32 or
+    float64 tensor the model made itself (a positional encoding cached in ``forward``, a float
+    mask) reaching a module whose parameters are low precision (``dtype``) is cast to their
+    dtype, as the root's boundary casts the inputs; it would otherwise meet those parameters
+    in the first matmul ("expected m1 and m2 to have the same dtype"). Only the top level is
+    looked at; nothing is cast when no input is float32 or float64. Returns ``(args,
+    kwargs)``, or None when nothing changes."""
+    if dtype is None or not (holds_wide_float(args) or holds_wide_float(kwargs.values())):
+        return None
+    return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+
 def _close_boundary(owner: Owner, output: Any) -> Any:
     if output is None:
         return None
@@ -172,6 +193,8 @@ class ModuleForward(CopyOnly):
             return self._traced(args, kwargs)
         if self.root or (self.entry and not self.owner.depth and not in_backward()):
             return self._boundary(args, kwargs)
+        if self.entry_input is not None and (cast := made_inside(self.entry_input, args, kwargs)):
+            args, kwargs = cast
         if self.site:
             return self._site(args, kwargs)
         return self.forward(*args, **kwargs)
@@ -239,6 +262,8 @@ class ModuleForward(CopyOnly):
             if entering and self.entry_input is not None:
                 args = cast_floating(args, self.entry_input)
                 kwargs = cast_floating(kwargs, self.entry_input)
+            elif self.entry and (cast := made_inside(self.entry_input, args, kwargs)):
+                args, kwargs = cast
             if autocast is None:
                 output = self.forward(*args, **kwargs)
             else:
@@ -269,15 +294,15 @@ class EntryHooks:
         self.off = off
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.owner.depth:
-            return None  # inside the model's forward: the root's boundary holds already
+        if self.owner.depth:  # inside the model's forward: the root's boundary holds already,
+            return made_inside(self.input, args, kwargs)  # a tensor made inside it may not
         if torch.compiler.is_compiling():
             return _entry_pre_eagerly(self, module, args, kwargs)
         return self._pre(module, args, kwargs)
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if in_backward():
-            return None  # a checkpoint's recomputation: inside the forward's regions already
+        if in_backward():  # a checkpoint's recomputation: inside the forward's regions already
+            return made_inside(self.input, args, kwargs)  # cast as inside the forward
         hooks_local.stack.append((module, _open_boundary(self.owner, self.region, self.off)))
         if self.input is not None:
             return cast_floating(args, self.input), cast_floating(kwargs, self.input)

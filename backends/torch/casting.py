@@ -23,6 +23,11 @@ low-precision dtype (O2/O3), the op-casting region (:mod:`mixprec_torch.autocast
 around the forward, and floating outputs are cast to ``policy.output``. The boundary and the
 entries are ``forward`` attributes, not hooks (:mod:`mixprec_torch.boundaries`).
 
+Inside the model's forward, and in a checkpoint's recomputation, an entry whose parameters
+are low precision casts a float32 input the model made itself (a positional encoding cached
+in ``forward``, a float mask) to their dtype (:func:`~mixprec_torch.boundaries.made_inside`):
+under O2 such a tensor would otherwise meet them in a matmul and fail.
+
 Every forward holds the :class:`ModelCasting` stored on the model, so
 ``copy.deepcopy(model)`` copies forwards and plan consistently; pickling them raises
 :class:`~mixprec.errors.CheckpointError` (:mod:`mixprec_torch.copies`).

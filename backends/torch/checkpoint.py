@@ -36,7 +36,7 @@ from mixprec.scaler import LossScaler
 
 from .copies import CopyOnly
 from .optimizer_state import StepCompensation, base_class
-from .torch_private import tensor_version
+from .torch_private import load_strict, tensor_version
 
 __all__ = [
     "ModelCheckpoint",
@@ -153,6 +153,8 @@ class ModelCheckpoint(CopyOnly):
                 "converted (and the optimizer's masters would stop tracking them); load "
                 "without assign=True: values are copied and cast into the wrapped model"
             )
+        # before any master or param moves; PyTorch passes strict=True to every hook
+        check_loadable(module, state_dict, prefix, strict=load_strict() is not False)
         with torch.no_grad():
             for name, param in self.params.items():
                 master = self._master_of(param)
@@ -184,6 +186,88 @@ class ModelCheckpoint(CopyOnly):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def check_loadable(module: nn.Module, state_dict: Any, prefix: str, strict: bool) -> None:
+    """Refuse, before anything is copied, a state dict PyTorch's loader would refuse only
+    after copying every other entry: a shape that differs from the model's, a value that is
+    no tensor, and (``strict``) a missing or unexpected key. PyTorch raises its
+    ``RuntimeError`` at the end, with the matching entries already written into the model
+    (and, under mixprec, their masters).
+
+    Keys are those of ``module.state_dict()``; what PyTorch's own loaders forgive is
+    forgiven: a missing ``num_batches_tracked`` of a checkpoint saved before it existed
+    (BatchNorm fills it in), and everything under a module that overrides
+    ``_load_from_state_dict`` (it may read other keys).
+
+    :raises CheckpointError: naming the first mismatches and the fix.
+    """
+    expected = module.state_dict(prefix=prefix, keep_vars=True)
+    own = _custom_loaders(module, prefix)
+    problems: list[str] = []
+    for key, current in expected.items():
+        if key not in state_dict:
+            if strict and not _forgiven_missing(key, own, state_dict):
+                problems.append(f"missing {key!r}")
+            continue
+        value = state_dict[key]
+        if key.endswith("_extra_state") or not isinstance(current, torch.Tensor):
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
+        elif not _is_lazy(current) and (value.shape != current.shape):
+            problems.append(
+                f"{key!r} has shape {list(value.shape)}, the model's {list(current.shape)}"
+            )
+    if strict:
+        problems += [
+            f"unexpected {key!r}"
+            for key in state_dict
+            if isinstance(key, str)
+            and key.startswith(prefix)
+            and key not in expected
+            and not any(key.startswith(p) for p in own)
+        ]
+    if problems:
+        shown = "; ".join(problems[:6]) + (
+            f"; and {len(problems) - 6} more" if len(problems) > 6 else ""
+        )
+        raise CheckpointError(
+            f"the state dict does not match the model ({shown}); nothing was loaded: the "
+            "model's parameters and float32 masters are unchanged. Load the checkpoint of "
+            "this architecture; strict=False skips missing and unexpected keys (a shape "
+            "mismatch never loads)"
+        )
+
+
+def _is_lazy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a lazy module's parameter or buffer without a shape yet."""
+    return isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
+
+
+def _custom_loaders(module: nn.Module, prefix: str) -> list[str]:
+    """The key prefixes of submodules whose class overrides ``_load_from_state_dict`` (other
+    than BatchNorm's, whose one addition :func:`_forgiven_missing` knows)."""
+    plain = (nn.Module._load_from_state_dict, _NORM_LOAD)
+    return [
+        f"{prefix}{name}." if name else prefix
+        for name, sub in module.named_modules()
+        if type(sub)._load_from_state_dict not in plain
+    ]
+
+
+_NORM_LOAD = nn.modules.batchnorm._NormBase._load_from_state_dict
+
+
+def _forgiven_missing(key: str, own: list[str], state_dict: Any) -> bool:
+    """Whether PyTorch's loader itself fills in or reads around a missing ``key``."""
+    if any(key.startswith(p) for p in own):
+        return True
+    if key.endswith(".num_batches_tracked") or key == "num_batches_tracked":
+        owner = key.rpartition(".")[0]
+        version = getattr(state_dict, "_metadata", {}).get(owner, {}).get("version")
+        return version is None or version < 2  # BatchNorm adds it for older checkpoints
+    return False
 
 
 class _Hook(CopyOnly):
@@ -227,6 +311,8 @@ def optimizer_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         }
         if st.group.compensation is not None:
             sd[_STATE_KEY]["compensation"] = st.group.compensation.state_dict()
+        if st.group.fp8 is not None:
+            sd[_STATE_KEY]["fp8"] = st.group.fp8.state_dict()
     return sd
 
 
@@ -263,6 +349,10 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
         steps = _check_entry(extra, st.group.scaler, st.tracker.steps)
         if st.group.compensation is not None and "compensation" in extra:
             st.group.compensation.check_state_dict(extra["compensation"])
+        if st.group.fp8 is not None and "fp8" in extra:
+            st.group.fp8.check_state_dict(extra["fp8"])
+    if st is not None:
+        _check_finite_state(state_dict.get("state"))
     base = base_class(self)
     base.load_state_dict(self, state_dict)
     if st is not None and st.group.compensation is not None:
@@ -271,6 +361,8 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
         st.group.scaler.load_state_dict(extra["scaler"])
         if st.group.compensation is not None and "compensation" in extra:
             st.group.compensation.load_state_dict(extra["compensation"])
+        if st.group.fp8 is not None and "fp8" in extra:
+            st.group.fp8.load_state_dict(extra["fp8"])
         st.tracker.reset()
         st.tracker.steps = steps
         st.round = None
@@ -301,6 +393,28 @@ def _check_entry(extra: dict[str, Any], scaler: LossScaler, steps: int) -> int:
             f"{{'steps': <non-negative int>}}; {hint}"
         )
     return saved
+
+
+def _check_finite_state(state: Any) -> None:
+    """Refuse optimizer state holding an inf or NaN (a damaged checkpoint): loaded, Adam's
+    moments would put it into the weights at the next step, which the guard cannot see (it
+    checks gradients). One host read per state tensor, at load time only."""
+    if not isinstance(state, dict):
+        return  # PyTorch's own loader names a malformed state
+    for index, values in state.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and not bool(torch.isfinite(value).all())
+            ):
+                raise CheckpointError(
+                    f"the optimizer state dict holds an inf or NaN (parameter {index}, "
+                    f"{key!r}); loaded, it would reach the weights at the next step. The "
+                    "checkpoint is damaged: load an earlier one (nothing was loaded)"
+                )
 
 
 def _saved_policy(data: Any) -> Policy:

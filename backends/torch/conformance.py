@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UnsupportedDtypeError
+from mixprec.fp8 import MX_BLOCK
 from mixprec.policy import Policy
 
 from .autocast import OpCasting, region
 from .devices import capabilities
 from .dtypes import dtype_name, torch_dtype
+from .fp8_numerics import quantise
 from .kernels import install
 from .loop import master_params, scale_loss, state
 from .ops import supported_ops
@@ -75,6 +77,18 @@ class TorchAdapter:
     def make_trainer(self, policy: Policy, seed: int = 0) -> TorchTrainer:
         """A wrapped two-layer MLP with momentum SGD on a fixed batch."""
         return TorchTrainer(policy, seed, self.device)
+
+    def fp8_quantise(
+        self, recipe: str, fmt: str, rows: list[list[float]], scale: float | None
+    ) -> tuple[list[list[float]], list[float]]:
+        """``rows`` in ``fmt`` as the FP8 layers quantise an operand under ``recipe``."""
+        x = torch.tensor(rows, dtype=torch.float32, device=self.device)
+        delayed = None if scale is None else torch.tensor(scale, device=self.device)
+        quantised = quantise(x, fmt, recipe, 1, delayed)
+        scales = quantised.scale
+        if recipe == "mxfp8":  # one per element, constant over each block: its first
+            scales = scales[:, ::MX_BLOCK]
+        return quantised.q.float().tolist(), scales.flatten().tolist()
 
 
 class TorchTrainer:

@@ -22,6 +22,9 @@ A CUDA device computes bfloat16 from compute capability 8.0 (Ampere) and float16
 everywhere; both are fast on 8.0+, float16 alone on 7.x (tensor cores). ``auto`` picks
 bfloat16 before float16 among the fast dtypes (:meth:`mixprec.Capabilities.preferred_lowp`).
 :func:`cpu_capability` and :func:`cuda_capability` are pure functions of those facts.
+
+Every FP8 recipe runs on both, emulated exactly where ``torch._scaled_mm`` does not run it
+(:mod:`mixprec_torch.fp8_numerics`), so both list all of them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 
 from mixprec.backend import Capabilities, DeviceCapability
+from mixprec.fp8 import FP8_RECIPES
 
 from .torch_private import onednn_runs_bfloat16
 
@@ -139,7 +143,7 @@ def cpu_capability(
             )
     if aten_isa:
         notes.append(f"ATen {aten_isa}")
-    return DeviceCapability("cpu", _ALL, tuple(fast), "; ".join(notes))
+    return DeviceCapability("cpu", _ALL, tuple(fast), "; ".join(notes), FP8_RECIPES)
 
 
 def cuda_capability(index: int, major: int, minor: int) -> DeviceCapability:
@@ -154,7 +158,7 @@ def cuda_capability(index: int, major: int, minor: int) -> DeviceCapability:
         if cc < 70:
             lacks += ", no float16 tensor cores (need 7.0, Volta)"
         note = f"compute capability {major}.{minor}: {lacks}"
-    return DeviceCapability(f"cuda:{index}", compute, fast, note)
+    return DeviceCapability(f"cuda:{index}", compute, fast, note, FP8_RECIPES)
 
 
 def _cpu() -> DeviceCapability:

@@ -15,7 +15,14 @@ import torch
 from mixprec.dtypes import canonical_dtype
 from mixprec.errors import UnsupportedDtypeError
 
-__all__ = ["FLOATING", "cast_floating", "dtype_name", "is_floating", "torch_dtype"]
+__all__ = [
+    "FLOATING",
+    "cast_floating",
+    "dtype_name",
+    "holds_wide_float",
+    "is_floating",
+    "torch_dtype",
+]
 
 _TO_TORCH: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -84,3 +91,18 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
             out[k] = cast_floating(v, dtype)
         return out
     return value
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def holds_wide_float(values: Any) -> bool:
+    """Whether a float32 or float64 tensor is among ``values`` (or directly inside a list or
+    tuple among them): the cheap look before a cast inside a low-precision forward."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype in _WIDE:
+                return True
+        elif isinstance(value, (list, tuple)) and holds_wide_float(value):
+            return True
+    return False

@@ -40,6 +40,7 @@ steps after separate backward passes, as with ``GradScaler``).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -52,7 +53,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from mixprec.dtypes import BFLOAT16, is_low_precision
-from mixprec.errors import CheckpointError, StepOrderError, WrapError
+from mixprec.errors import CheckpointError, MixprecError, MixprecWarning, StepOrderError, WrapError
 from mixprec.loss_scale import NoScale
 from mixprec.policy import Policy
 from mixprec.scaler import LossScaler, MixprecState
@@ -64,7 +65,18 @@ from .loop import master_params, state, unscale_
 from .optimizer_state import WrapGroup, optimizer_state
 from .wrapping import ModelRecord, wrap
 
-__all__ = ["MixprecPrecision", "lightning_precision_name"]
+__all__ = ["FABRIC_RECIPE", "MixprecPrecision", "lightning_precision_name"]
+
+
+FABRIC_RECIPE = (
+    "MixprecPrecision is a plugin for lightning.Trainer; Lightning Fabric hands it the model "
+    "without its optimizer, and mixprec converts the two together. With Fabric, keep "
+    "Fabric's default precision and wrap before setup: model, optimizer = "
+    "mixprec.torch.wrap(model, optimizer, policy); model, optimizer = fabric.setup(model, "
+    "optimizer); then 'with mixprec.torch.scale_loss(loss, optimizer) as scaled: "
+    "fabric.backward(scaled)', mixprec.torch.unscale_(optimizer) before "
+    "fabric.clip_gradients(...), and optimizer.step()"
+)
 
 
 def lightning_precision_name(policy: Policy) -> str:
@@ -124,6 +136,14 @@ class MixprecPrecision(Precision):
         self._pending_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ set-up
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Lightning's Trainer hands its LightningModule here first (``connect`` wraps it
+        next, with the optimizers); Fabric hands a bare model without its optimizer, which
+        mixprec must convert together with it: refused, with the recipe that works."""
+        if isinstance(module, LightningModule) and module._trainer is not None:
+            return module
+        raise WrapError(FABRIC_RECIPE)
 
     def connect(
         self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
@@ -335,5 +355,26 @@ class MixprecPrecision(Precision):
             self._pending_state = dict(state_dict)
             return
         scaler = self._group.scaler
-        LossScaler(scaler.state.fresh()).load_state_dict(state_dict["scaler"])  # validate first
+        saved = state_dict.get("policy")
+        saved_policy = None if saved is None else _saved_policy(saved)  # validate first
+        LossScaler(scaler.state.fresh()).load_state_dict(state_dict["scaler"])
+        if saved_policy is not None and saved_policy != self._group.policy:
+            warnings.warn(
+                f"the checkpoint was saved under policy {saved_policy} but this Trainer's "
+                f"MixprecPrecision runs {self._group.policy}; training continues with the "
+                f"current policy. Build the plugin with MixprecPrecision({str(saved_policy)!r}) "
+                "to resume exactly",
+                MixprecWarning,
+                stacklevel=2,
+            )
         scaler.load_state_dict(state_dict["scaler"])
+
+
+def _saved_policy(data: Any) -> Policy:
+    try:
+        return Policy.from_dict(data)
+    except (MixprecError, TypeError, ValueError, AttributeError, RecursionError) as err:
+        raise CheckpointError(
+            f"the checkpoint's MixprecPrecision entry holds a malformed policy ({err}); save "
+            "it with a Trainer that uses MixprecPrecision"
+        ) from err

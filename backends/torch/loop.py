@@ -98,7 +98,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
         return
     count_plain_backward(st)  # no loss scaling: a plain loss.backward() is enough
     st.tracker.on_unscale()
-    unscale(st, optimizer)
+    unscale(st, optimizer, check=False)  # the step checks, after any clip or edit since
     if st.local is None:  # FSDP2 keeps no separate masters
         expose_unscaled_grads(st, *copies(st, optimizer))
 
@@ -107,8 +107,13 @@ def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors the optimizer updates: float32 masters, or the model params themselves.
 
     Clip these (after ``unscale_``): ``clip_grad_norm_(master_params(opt), max_norm)``.
+    Under ``master=kahan|stochastic`` their values are ``w + c`` (or ``w``) from this call
+    until the next step (they hold no memory otherwise): call it again after each step to
+    read the new values.
     """
-    optimizer_state(optimizer, "master_params")
+    st = optimizer_state(optimizer, "master_params")
+    if st.group.compensation is not None:
+        st.group.compensation.materialize()
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 

@@ -38,6 +38,7 @@ from .torch_private import foreach_copy_, sole_owner, tensor_version, tensor_ver
 __all__ = [
     "cast_grads_into",
     "expose_unscaled_grads",
+    "grad_buffers",
     "held_grads",
     "keep_dropped_grads",
     "mark_copied",
@@ -134,6 +135,20 @@ def cast_grads_into(
     converted, the dense ones go through one fused copy into buffers allocated once. A
     master whose gradient ``zero_grad(set_to_none=True)`` dropped gets it back in the memory
     it had (``spare``, see :func:`keep_dropped_grads`) when nothing else holds that memory."""
+    dst, src = grad_buffers(grads, masters, spare)
+    if dst:
+        with torch.no_grad():
+            foreach_copy_(dst, src)
+
+
+def grad_buffers(
+    grads: list[torch.Tensor | None],
+    masters: list[torch.Tensor],
+    spare: dict[int, SpareGrad] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What :func:`cast_grads_into` copies, without copying: (the masters' gradient buffers,
+    the dense gradients to write into them). None gradients clear their master's, sparse
+    ones are converted here."""
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     for grad, master in zip(grads, masters, strict=True):
@@ -145,9 +160,7 @@ def cast_grads_into(
             master.grad = torch.empty_like(master) if kept is None else kept
         dst.append(master.grad)
         src.append(grad)
-    if dst:
-        with torch.no_grad():
-            foreach_copy_(dst, src)
+    return dst, src
 
 
 def held_grads(masters: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -124,6 +124,13 @@ def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) ->
     masters = [group.masters.master_for(p) for p in params]
     base_class(self).add_param_group(self, {**param_group, "params": masters})
     st.copies = None
+    st.models |= _models_of(group, [{"params": params}])
+
+
+def _models_of(group: WrapGroup, param_groups: list[dict[str, Any]]) -> frozenset[int]:
+    """The indices of the group's models whose parameters are among ``param_groups``."""
+    found = (group.param_models.get(id(p)) for pg in param_groups for p in pg["params"])
+    return frozenset(i for i in found if i is not None)
 
 
 def _subclass_for(cls: type) -> type:
@@ -139,6 +146,9 @@ def _subclass_for(cls: type) -> type:
             # optimizer.state_dict() (mixprec_torch.copies)
             "__deepcopy__": refuse_optimizer_copy,
             "__reduce_ex__": refuse_optimizer_copy,
+            # a torch.amp.GradScaler then hands its scale to step() (grad_scale, found_inf)
+            # instead of unscaling the masters it does not know: step() refuses it by name
+            "_step_supports_amp_scaling": True,
             "_mixprec_base": cls,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
@@ -175,6 +185,7 @@ def patch_optimizer(
     """
     rewrap = check_patchable(optimizer)
     st = OptimizerState(optimizer, group, local=local)
+    st.models = _models_of(group, optimizer.param_groups)
     masters = group.masters
     for pg in optimizer.param_groups:
         swapped = [masters.master_for(p) for p in pg["params"]]

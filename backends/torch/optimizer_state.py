@@ -31,6 +31,7 @@ __all__ = [
     "RoundGuard",
     "SpareGrad",
     "StepCompensation",
+    "StepState",
     "WrapGroup",
     "base_class",
     "optimizer_state",
@@ -41,8 +42,12 @@ class StepCompensation(Protocol):
     """What the step and the checkpoints ask of a compensated strategy
     (:class:`mixprec_torch.compensation.Compensation`)."""
 
+    def fusable(self, optimizer: torch.optim.Optimizer) -> bool: ...
+    def step_fused(self, optimizer: torch.optim.Optimizer, *, master_grads: bool) -> None: ...
     def fill(self, optimizer: torch.optim.Optimizer) -> None: ...
     def store(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def materialize(self) -> None: ...
+    def assign(self, param: torch.Tensor, value: torch.Tensor) -> bool: ...
     def adopt_state(self, optimizer: torch.optim.Optimizer) -> None: ...
     def best(self, param: torch.Tensor) -> torch.Tensor | None: ...
     def split_loaded(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None: ...
@@ -51,19 +56,33 @@ class StepCompensation(Protocol):
     def load_state_dict(self, sd: dict[str, Any]) -> None: ...
 
 
+class StepState(Protocol):
+    """State a step changes that checkpoints carry in the optimizer's state dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def check_state_dict(self, sd: Any) -> None: ...
+    def load_state_dict(self, sd: Any) -> None: ...
+
+
 SpareGrad = tuple[torch.UntypedStorage, torch.dtype, int, tuple[int, ...], tuple[int, ...]]
 """A gradient's memory without the tensor: (storage, dtype, storage offset, shape, strides)."""
 
 
 class RoundGuard(Protocol):
-    """Something a step changes besides the optimizer's parameters and state."""
+    """Something a step changes besides the optimizer's parameters and state, per model.
 
-    def flag(self) -> torch.Tensor | None:
-        """A device-side flag, nonzero when this step left a non-finite value (no host sync)."""
+    ``scope`` is the indices (in the ``wrap`` call) of the models the round's optimizers
+    train, plus every model no optimizer trains (:meth:`WrapGroup.scope`).
+    """
+
+    def flag(self, scope: frozenset[int]) -> torch.Tensor | None:
+        """A device-side flag, nonzero when this step left a non-finite value in the models
+        of ``scope`` (no host sync)."""
         ...
 
-    def settle(self, skipped: bool) -> None:
-        """The round's decision: undo this step's changes when ``skipped``."""
+    def settle(self, skipped: bool, scope: frozenset[int]) -> None:
+        """The round's decision: undo this step's changes to the models of ``scope`` when
+        ``skipped``."""
         ...
 
 
@@ -100,12 +119,19 @@ class WrapGroup:
         """Each optimizer of a round skips only on its own overflow (``skip="optimizer"``)."""
         self.compensation: StepCompensation | None = None
         """Under ``master=kahan|stochastic``: the strategy's buffers and its step passes."""
+        self.fp8: StepState | None = None
+        """Under ``fp8``: the FP8 layers and the delayed recipe's state
+        (:class:`mixprec_torch.fp8.FP8Layers`)."""
         self.round_guards: list[RoundGuard] = []
         """State beyond the optimizer that a step changes (BatchNorm running statistics):
         checked with the gradients, put back when the round is skipped."""
         self.param_versions: dict[int, int] = {}
         """id(model param) -> its version counter once ``wrap`` cast it; a different counter
         before the first step means the user edited it (:mod:`.model_edits`)."""
+        self.param_models: dict[int, int] = {}
+        """id(model param) -> the index of its model in the ``wrap`` call."""
+        self.model_count = 0
+        """How many models the ``wrap`` call converted."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> WrapGroup:
         """A copy for a copied model: its own scaler and master map, and no optimizers (the
@@ -121,6 +147,13 @@ class WrapGroup:
         """The optimizer states of this group whose optimizers still exist."""
         alive = [s() for s in self.states]
         return [s for s in alive if s is not None]
+
+    def scope(self, members: list[OptimizerState]) -> frozenset[int]:
+        """The models a round of ``members`` settles: those they train, and every model no
+        optimizer of the group trains (a frozen model in training mode)."""
+        trained = frozenset().union(*(st.models for st in self.live_states()))
+        untrained = frozenset(range(self.model_count)) - trained
+        return untrained.union(*(st.models for st in members))
 
 
 class OptimizerState:
@@ -142,8 +175,22 @@ class OptimizerState:
         """Cache, not a second map: the model params and their separate masters among this
         optimizer's params, as the two lists the fused copies take. Built from
         ``group.masters`` on first use; None again whenever the param groups change."""
+        self.guard_plan: Any = None
+        """The native guard pass's view of this optimizer's tensors
+        (:class:`mixprec_torch.grad_check.GuardPlan`), rebuilt with :attr:`copies`."""
+        self.model_of: dict[int, torch.Tensor] = {}
+        """id(master) -> its model parameter, for the pairs of :attr:`copies` (built with it)."""
         self.found_inf: list[torch.Tensor] = []
         """The device-side overflow flags of the latest unscale (one per device)."""
+        self.unchecked = False
+        """The gradients were unscaled without the guard's check (``unscale_``): the step
+        checks them, after whatever the user did to them since."""
+        self.drop_master_grads = False
+        """After every step, taken or skipped, the separate masters' gradients are dropped
+        (the apex shim: apex cleared them so, as ``model.zero_grad()`` cannot reach them)."""
+        self.checked: tuple[list[torch.Tensor], list[int]] | None = None
+        """Checked when another optimizer's ``step()`` opened the round: the gradients and
+        their version counters then, so its own step notices a write in between."""
         self.round: Round | None = None
         self.reevaluating = False
         """The optimizer's own ``step()`` is re-running its closure (LBFGS's line search): a
@@ -158,6 +205,11 @@ class OptimizerState:
         clip of the model's gradients before the step (:mod:`.model_edits`)."""
         self.overflows: deque[OverflowRecord] = deque(maxlen=100)
         """The parameters that overflowed, per skipped step (filled only on a skip)."""
+        self.models: frozenset[int] = frozenset()
+        """The indices of the models (of the ``wrap`` call) whose parameters it updates."""
+        self.grads_cast = False
+        """This step's gradients were cast into the masters' ``.grad`` (False: under the
+        fused compensated update the model's own gradients are read instead)."""
         self.spare_grads: dict[int, SpareGrad] = {}
         """id(master) -> the float32 gradient memory ``zero_grad(set_to_none=True)`` took
         off that master, reused by the next cast into it (:mod:`.model_edits`) instead of

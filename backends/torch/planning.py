@@ -43,6 +43,7 @@ from .checkpoint import ModelCheckpoint
 from .copies import CopyOnly
 from .devices import capabilities, device_capability
 from .dtypes import dtype_name
+from .fp8 import FP8Layers, plan_fp8
 from .kernels import foreign
 from .optimizer import check_patchable
 from .optimizer_state import WrapGroup
@@ -89,6 +90,8 @@ class WrapPlan:
     planned: dict[int, str]
     """id(param) -> the dtype the plan gives it (empty under FSDP2 and ``keep_dtypes``: each
     parameter keeps its own dtype)."""
+    fp8: FP8Layers | None = None
+    """The layers that run as FP8 GEMMs (policies with ``fp8``); not installed yet."""
 
     @property
     def masters_on(self) -> bool:
@@ -160,7 +163,8 @@ def plan_wrap(
             op_casting = OpCasting(policy, _device_types([model]))
             _check_kernels(op_casting)
             casting.set_op_casting(op_casting)
-    plan = WrapPlan(models, optimizers, params, policy, device, fsdp, castings, planned)
+    fp8 = plan_fp8([casting.sites for casting in castings], policy, fsdp=fsdp)
+    plan = WrapPlan(models, optimizers, params, policy, device, fsdp, castings, planned, fp8)
     names = {pid: name for pid, (name, _) in params.items()}
     _lint(optimizers, policy, names, planned, plan.masters_on)
     return plan

@@ -8,8 +8,20 @@ pre-hook on each module with running statistics copies them, once per step, at t
 training-mode forward since the last step. The step's round checks them with the gradients
 (:meth:`RunningStats.flag`: a statistic that became inf or NaN skips the step, as a huge input
 can overflow a running variance while every gradient stays finite) and
-(:meth:`RunningStats.settle`) copies them back when the step is skipped, forgetting the copy
+(:meth:`RunningStats.settle`) puts them back when the step is skipped, forgetting the copy
 otherwise.
+
+**Per model.** A round settles only the statistics of the models its optimizers train (the
+*scope*, model indices of the ``wrap`` call; a model no optimizer trains is in every scope):
+in a GAN loop the discriminator's skipped step leaves the generator's statistics, updated
+by the generator's forward of the same iteration, to the generator's own step.
+
+**Never in place.** A skipped step's statistics may still be saved by an autograd graph that
+has not run backward yet (the generator's forward, kept for its loss after the
+discriminator's step; BatchNorm's backward saves ``running_mean``/``running_var``): writing
+them in place would make that backward fail ("modified by an inplace operation"). So the
+module gets the saved copy as its buffer (a new tensor object), and the tensor the graph
+holds is left alone; DDP re-reads the buffers before each broadcast, so it follows.
 
 Under ``torch.compile`` the pre-hook is traced into the graph. Its Python-level check (is
 this module's copy already taken this step?) is a guard, so a step with several training
@@ -49,15 +61,16 @@ class RunningStats:
     taken at the first training-mode forward of each step."""
 
     def __init__(self, models: Iterable[nn.Module]) -> None:
-        self.modules: list[nn.Module] = []
-        seen: set[int] = set()
-        for model in models:
+        owners: dict[int, tuple[nn.Module, frozenset[int]]] = {}
+        for index, model in enumerate(models):
             for module in model.modules():
-                if id(module) not in seen and any(
-                    n in STAT_NAMES for n, _ in module.named_buffers(recurse=False)
-                ):
-                    seen.add(id(module))
-                    self.modules.append(module)
+                if any(n in STAT_NAMES for n, _ in module.named_buffers(recurse=False)):
+                    held = owners.get(id(module), (module, frozenset()))[1]
+                    owners[id(module)] = (module, held | {index})
+        self.modules: list[nn.Module] = [module for module, _ in owners.values()]
+        self.owners: list[frozenset[int]] = [held for _, held in owners.values()]
+        """The indices of the models (of the ``wrap`` call) holding each of :attr:`modules`
+        (a list beside it, not a dict by id: a deep copy keeps it right)."""
         with torch.no_grad():
             self._saved: dict[int, list[tuple[str, torch.Tensor]]] = {
                 id(m): [(n, t.detach().clone()) for n, t in _stats(m)] for m in self.modules
@@ -95,14 +108,22 @@ class RunningStats:
                     copy.copy_(value)
         self._pending.add(key)
 
-    def flag(self) -> torch.Tensor | None:
-        """Nonzero (on the device, no host sync) when a statistic updated this step is inf or
-        NaN: a huge input can overflow a running variance while every gradient stays finite,
-        so the step must be skipped too. None when no statistic was updated."""
+    def _in_scope(self, scope: frozenset[int]) -> list[nn.Module]:
+        """The pending modules of the models in ``scope``."""
+        return [
+            module
+            for module, owners in zip(self.modules, self.owners, strict=True)
+            if id(module) in self._pending and owners & scope
+        ]
+
+    def flag(self, scope: frozenset[int]) -> torch.Tensor | None:
+        """Nonzero (on the device, no host sync) when a statistic of the models in ``scope``
+        updated this step is inf or NaN: a huge input can overflow a running variance while
+        every gradient stays finite, so the step must be skipped too. None when no statistic
+        was updated."""
         tensors = [
             value
-            for module in self.modules
-            if id(module) in self._pending
+            for module in self._in_scope(scope)
             for _, value in _stats(module)
             if value.is_floating_point()
         ]
@@ -111,20 +132,30 @@ class RunningStats:
         largest = torch.stack(foreach_norm_float32(tensors, math.inf)).max()
         return torch.isfinite(largest).logical_not().reshape(1).to(torch.float32)
 
-    def settle(self, skipped: bool) -> None:
-        """End of a step's round: put the statistics of the pending modules back if the step
-        was ``skipped``; either way the next step takes fresh copies."""
-        if skipped and self._pending:
+    def settle(self, skipped: bool, scope: frozenset[int]) -> None:
+        """End of a step's round for the models in ``scope``: put their pending modules'
+        statistics back if the step was ``skipped`` (the saved copies become the buffers; the
+        tensors an autograd graph may hold are not written); either way their next step
+        takes fresh copies."""
+        modules = self._in_scope(scope)
+        if skipped:
             with torch.no_grad():
-                for module in self.modules:
-                    key = id(module)
-                    if key not in self._pending:
-                        continue
-                    for name, copy in self._saved[key]:
-                        value = getattr(module, name, None)
-                        if isinstance(value, torch.Tensor) and value.shape == copy.shape:
-                            value.copy_(copy)
-        self._pending.clear()
+                for module in modules:
+                    self._restore(module)
+        for module in modules:
+            self._pending.discard(id(module))
+
+    def _restore(self, module: nn.Module) -> None:
+        key = id(module)
+        restored = []
+        for name, copy in self._saved[key]:
+            value = getattr(module, name, None)
+            if isinstance(value, torch.Tensor) and value.shape == copy.shape:
+                setattr(module, name, copy)  # a registered buffer: replaced, not written
+                restored.append((name, copy.clone()))  # the copy the next step writes
+            else:
+                restored.append((name, copy))
+        self._saved[key] = restored
 
     def remove(self) -> None:
         """Remove the forward pre-hooks."""

@@ -1,8 +1,11 @@
 """Optimizer state kept in bfloat16 between steps (``state="bfloat16"``), for any optimizer.
 
 The arithmetic is :mod:`mixprec.compensated`'s (the NumPy plugin's
-``mixprec_numpy.compensation`` is its readable reference). The optimizer is unchanged and
-updates its state in float32; only what is kept between two steps is bfloat16:
+``mixprec_numpy.compensation`` is its readable reference). This is the generic path, for any
+optimizer; torch's SGD, Adam and AdamW on the CPU take the fused update instead
+(:mod:`mixprec_torch.fused_update`), which reads and writes the bfloat16 state directly. The
+optimizer is unchanged and updates its state in float32; only what is kept between two steps
+is bfloat16:
 
 - the *state tensors* are every floating tensor of ``optimizer.state[master]`` with the
   master's shape (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``,
@@ -22,8 +25,8 @@ updates its state in float32; only what is kept between two steps is bfloat16:
 ``Optimizer.load_state_dict`` casts floating state to the parameter's dtype, float32 for
 the working masters; the values are still bfloat16 ones, so :meth:`StateRounding.adopt`
 narrows them back exactly, and the next step's float32 values are the saved ones bit for
-bit. The random stream is the strategy's own seeded generator per device (its state is in
-the optimizer's checkpoint), drawn after the weights' rounding.
+bit. The noise is the strategy's counter-based stream per device (:mod:`mixprec_torch.noise`,
+slot 1 of the step; its seed and step count are in the optimizer's checkpoint).
 """
 
 from __future__ import annotations
@@ -33,43 +36,12 @@ from collections.abc import Sequence
 
 import torch
 
+from .noise import round_stochastic_
 from .torch_private import foreach_copy_
 
-__all__ = ["StateRounding", "flat_slices", "round_stochastic_", "state_tensors"]
-
-_LOW_BITS = 1 << 16
-_HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32
+__all__ = ["StateRounding", "state_tensors"]
 
 _Entry = tuple[dict[str, object], str]
-
-
-_SLICE = 1 << 20
-"""Elements per slice of a flat pass that needs temporaries (the noise, a mixed-dtype op):
-they stay at 4 MiB, which the allocator reuses from step to step; one model-sized temporary
-would be fresh pages every step."""
-
-
-def flat_slices(numel: int) -> list[slice]:
-    """Slices of ``_SLICE`` elements covering a flat buffer of ``numel``."""
-    return [slice(start, start + _SLICE) for start in range(0, numel, _SLICE)]
-
-
-def round_stochastic_(work: torch.Tensor, generator: torch.Generator) -> None:
-    """Round the flat float32 ``work`` stochastically onto the bfloat16 grid, in place.
-
-    Adds uniform integers in ``[0, 2**16)`` drawn from ``generator`` to the float32 bit
-    patterns and clears their low 16 bits, so a later copy into bfloat16 is exact. Unbiased:
-    of the two bfloat16 neighbours the farther one (in magnitude) is chosen with probability
-    equal to the distance from the nearer one in units of their spacing. The noise is drawn
-    slice by slice: the same numbers as one draw (the generator yields its stream in order).
-    """
-    for part in flat_slices(work.numel()):
-        bits = work[part].view(torch.int32)
-        noise = torch.randint(
-            0, _LOW_BITS, (bits.numel(),), generator=generator, dtype=torch.int32,
-            device=work.device,
-        )  # fmt: skip
-        bits.add_(noise).bitwise_and_(_HIGH_MASK)
 
 
 def state_tensors(
@@ -134,11 +106,11 @@ class StateRounding:
     """The bfloat16 optimizer state of one ``wrap`` call's compensated parameters.
 
     :param devices: per device, the compensated float32 working masters (the optimizer's
-        parameters) and the seeded generator the stochastic rounding draws from.
+        parameters).
     """
 
-    def __init__(self, devices: Sequence[tuple[Sequence[torch.Tensor], torch.Generator]]) -> None:
-        self.devices = [(list(masters), gen) for masters, gen in devices]
+    def __init__(self, devices: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.devices = [list(masters) for masters in devices]
         self._flats: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_StateFlat | None]]
         self._flats = weakref.WeakKeyDictionary()
 
@@ -154,7 +126,7 @@ class StateRounding:
         per device holding the bfloat16 values exactly."""
         flats = self._cached(optimizer)
         with torch.no_grad():
-            for i, (masters, _) in enumerate(self.devices):
+            for i, masters in enumerate(self.devices):
                 entries, tensors = state_tensors(optimizer, masters)
                 if not entries:
                     continue  # no state yet: the optimizer allocates it in this step
@@ -168,12 +140,15 @@ class StateRounding:
                     foreach_copy_(flat.work_views, tensors)
                 _put(entries, flat.work_views)
 
-    def narrow(self, optimizer: torch.optim.Optimizer) -> None:
+    def narrow(self, optimizer: torch.optim.Optimizer, keys: Sequence[int]) -> None:
         """After the update: round the state stochastically into the flat bfloat16 buffers,
-        put their views into the optimizer's state, free the float32 storage."""
+        put their views into the optimizer's state, free the float32 storage.
+
+        :param keys: per device, the noise key of this step's pass over the state.
+        """
         flats = self._cached(optimizer)
         with torch.no_grad():
-            for i, (masters, gen) in enumerate(self.devices):
+            for i, (masters, key) in enumerate(zip(self.devices, keys, strict=True)):
                 entries, tensors = state_tensors(optimizer, masters)
                 if not entries:
                     continue
@@ -185,7 +160,7 @@ class StateRounding:
                     flat = flats[i] = _StateFlat(tensors)
                     flat.allocate()
                     foreach_copy_(flat.work_views, tensors)
-                round_stochastic_(flat.work, gen)
+                round_stochastic_(flat.work, key)
                 flat.low.copy_(flat.work)  # exact: the low 16 bits are clear
                 _put(entries, flat.low_views)
                 flat.release()
@@ -195,7 +170,7 @@ class StateRounding:
         bfloat16 values, as torch casts them) into flat bfloat16 buffers, exactly."""
         flats = self._cached(optimizer)
         with torch.no_grad():
-            for i, (masters, _) in enumerate(self.devices):
+            for i, masters in enumerate(self.devices):
                 entries, tensors = state_tensors(optimizer, masters)
                 if not entries:
                     flats[i] = None

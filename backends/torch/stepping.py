@@ -53,19 +53,32 @@ import torch
 from mixprec.errors import StepOrderError
 from mixprec.step import Stage
 
+from . import cpu_kernels
 from .diagnostics import record_overflows
 from .distributed import all_reduce_found_inf, is_distributed
-from .model_edits import cast_grads_into, mark_copied, refresh_edited_masters, take_grad_edits
+from .grad_check import GuardPlan, native_unscale
+from .model_edits import (
+    cast_grads_into,
+    grad_buffers,
+    held_grads,
+    keep_dropped_grads,
+    mark_copied,
+    refresh_edited_masters,
+    take_grad_edits,
+)
 from .optimizer_state import OptimizerState, Round, WrapGroup, base_class, optimizer_state
 from .torch_private import (
     foreach_copy_,
     foreach_norm_float32,
     mark_step_hooked,
     non_finite_check_and_unscale_,
+    run_step_hooks,
     sparse_values,
+    tensor_versions,
 )
 
 __all__ = [
+    "check_grads",
     "copies",
     "copy_grads_to_masters",
     "copy_masters_to_model",
@@ -105,6 +118,7 @@ def copies(st: OptimizerState, optimizer: torch.optim.Optimizer) -> tuple[list[A
                     params.append(param)
                     masters.append(master)
         st.copies = (params, masters)
+        st.model_of = {id(m): p for p, m in zip(params, masters, strict=True)}
         st.param_versions = None  # kept in the order of the cached lists
     return st.copies
 
@@ -113,56 +127,142 @@ def copy_grads_to_masters(st: OptimizerState, optimizer: torch.optim.Optimizer) 
     """Cast the model gradients into the masters' float32 gradients (None stays None)."""
     params, masters = copies(st, optimizer)
     cast_grads_into([param.grad for param in params], masters, st.spare_grads)
+    st.grads_cast = True
 
 
 def unscale(
-    st: OptimizerState, optimizer: torch.optim.Optimizer, scale: float | None = None
+    st: OptimizerState,
+    optimizer: torch.optim.Optimizer,
+    scale: float | None = None,
+    *,
+    check: bool = True,
 ) -> None:
     """Unscale the gradients the optimizer will apply, in place, and record overflow.
 
-    Per (device, dtype): one fused unscale-and-check (only when the loss is scaled), then one
-    fused float32 norm per tensor; a device's flag is set when a gradient is inf or NaN *or*
-    the sum of the squared norms overflows float32 (:mod:`mixprec.guard`: a finite but huge
-    gradient would put inf into Adam's state or blow up the weights). Without loss scaling
-    the norm pass alone catches all three, so the bf16 presets read the gradients once, as
-    before. The flags stay on the device in ``st.found_inf`` (no host sync here). ``scale``
-    divides instead of the group's scale (the apex shim's per-loss scalers).
+    Per (device, dtype): one fused unscale-and-check (only when the loss is scaled), then,
+    with ``check``, the guard's check (:func:`check_grads`). Without loss scaling the check
+    alone reads the gradients, so the bf16 presets read them once. The flags stay on the
+    device in ``st.found_inf`` (no host sync here). ``scale`` divides instead of the group's
+    scale (the apex shim's per-loss scalers).
+
+    Where every gradient is a dense CPU tensor and the native kernels are built, the cast,
+    the unscale and the check are one pass (:func:`~mixprec_torch.grad_check.native_unscale`);
+    under the fused compensated update the model's gradients are then only read.
+
+    ``check=False`` (``unscale_``, the apex shim's ``scale_loss`` exit) leaves the guard's
+    check to the step (:func:`open_round`), so it sees the gradients after whatever the user
+    did to them since (a clip, an edit), in the same one pass. It takes the torch path, which
+    casts into the masters' gradients: they are there for the user to clip.
     """
-    copy_grads_to_masters(st, optimizer)
     scaler = st.group.scaler
+    scaler = st.group.scaler
+    lib = cpu_kernels.library() if check and st.local is None else None
+    if lib is not None:
+        scaled_now = scale is not None or scaler.enabled
+        inv = 1.0 / (scale if scale is not None else scaler.scale) if scaled_now else None
+        comp = st.group.compensation
+        cast = scaled_now or comp is None or not comp.fusable(optimizer)
+        key = copies(st, optimizer)
+        plan = st.guard_plan
+        if plan is None or plan.key is not key:
+            plan = st.guard_plan = GuardPlan(key, optimizer, st.model_of)
+
+        def buffers(
+            grads: list[torch.Tensor | None], masters: list[torch.Tensor]
+        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            return grad_buffers(grads, masters, st.spare_grads)
+
+        flags = native_unscale(lib, plan, inv, cast, buffers) if plan.usable else None
+        if flags is not None:
+            st.grads_cast = cast
+            st.found_inf = flags
+            st.unchecked = False
+            return
+    copy_grads_to_masters(st, optimizer)
+    by_device = _grads_by_device(st, optimizer)
+    scaled = scale is not None or scaler.enabled
+    if scale is None:
+        scale = scaler.scale if scaler.enabled else 1.0
+    found_list = []
+    with torch.no_grad():
+        for device, per_dtype in by_device.items():
+            found = torch.zeros(1, dtype=torch.float32, device=device)
+            if scaled:
+                inv_scale = torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
+                for grads in per_dtype.values():
+                    non_finite_check_and_unscale_(grads, found, inv_scale)
+            if check:
+                found.add_(_norm_overflow(per_dtype.values()))
+            found_list.append(found)
+    st.found_inf = found_list
+    st.unchecked = not check
+
+
+def check_grads(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+    """The guard's check of the gradients the optimizer will apply, as they are now: one
+    fused float32 norm per (device, dtype); a flag is set when a gradient is inf or NaN *or*
+    the sum of the squared norms overflows float32 (:mod:`mixprec.guard`: a finite but huge
+    gradient would put inf into Adam's state or blow up the weights). The flags join
+    ``st.found_inf`` (on the device, no host sync)."""
+    with torch.no_grad():
+        flags = [
+            _norm_overflow(per_dtype.values())
+            for per_dtype in _grads_by_device(st, optimizer).values()
+        ]
+    st.found_inf = [*st.found_inf, *flags]
+    st.unchecked = False
+
+
+def _grads_by_device(
+    st: OptimizerState, optimizer: torch.optim.Optimizer
+) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
+    """The gradients the optimizer applies (this rank's part), by device and dtype."""
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
         lambda: defaultdict(list)
     )
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if st.local is not None:
-                    grad = st.local(grad)
-                if grad.is_sparse:
-                    if grad.dtype is torch.float16:
-                        param.grad = grad = grad.coalesce()
-                    grad = sparse_values(grad)
-                by_device[grad.device][grad.dtype].append(grad)
-        scaled = scale is not None or scaler.enabled
-        if scale is None:
-            scale = scaler.scale if scaler.enabled else 1.0
-        found_list = []
-        for device, per_dtype in by_device.items():
-            found = torch.zeros(1, dtype=torch.float32, device=device)
-            norms: list[torch.Tensor] = []
-            if scaled:
-                inv_scale = torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
-            for grads in per_dtype.values():
-                if scaled:
-                    non_finite_check_and_unscale_(grads, found, inv_scale)
-                norms.extend(foreach_norm_float32(grads))
-            squared = torch.stack(norms).square().sum()  # inf or NaN: overflow or non-finite
-            found.add_(torch.isfinite(squared).logical_not())
-            found_list.append(found)
-    st.found_inf = found_list
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if st.local is not None:
+                grad = st.local(grad)
+            if grad.is_sparse:
+                if grad.dtype is torch.float16 and not grad.is_coalesced():
+                    param.grad = grad = grad.coalesce()
+                grad = sparse_values(grad)
+            by_device[grad.device][grad.dtype].append(grad)
+    return by_device
+
+
+def _norm_overflow(grads_by_dtype: Any) -> torch.Tensor:
+    """1.0 (a one-element float32 tensor on the device) when the summed squared norms of
+    ``grads_by_dtype`` (lists of tensors on one device) are inf or NaN, else 0.0."""
+    norms: list[torch.Tensor] = []
+    for grads in grads_by_dtype:
+        norms.extend(foreach_norm_float32(grads))
+    squared = torch.stack(norms).square().sum()  # inf or NaN: overflow or non-finite
+    return torch.isfinite(squared).logical_not().reshape(1).to(torch.float32)
+
+
+def checked_grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[int]]:
+    """The gradients the optimizer applies and their version counters: what a later step
+    compares to notice a write after the check (:func:`edited_since_check`)."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return grads, tensor_versions(grads)
+
+
+def edited_since_check(
+    optimizer: torch.optim.Optimizer, kept: tuple[list[torch.Tensor], list[int]]
+) -> bool:
+    """Whether a gradient the optimizer applies was replaced or written since ``kept``."""
+    grads, versions = checked_grads(optimizer)
+    before, before_versions = kept
+    return (
+        versions != before_versions
+        or any(a is not b for a, b in zip(grads, before, strict=False))
+        or len(grads) != len(before)
+    )
 
 
 # ------------------------------------------------------------------ 4. found_inf across ranks
@@ -210,8 +310,14 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
             if opt is not optimizer:
                 st.tracker.on_unscale()
                 st.implicit_unscale = True
+        elif st.unchecked:  # unscale_() ran: check the gradients as the user left them
+            take_grad_edits(st, *copies(st, opt))
+            check_grads(st, opt)
+        if opt is not optimizer:  # it steps later: a write before its step() is checked then
+            st.checked = checked_grads(opt)
         flags.extend(st.found_inf)
-    guard_flags = [f for g in group.round_guards if (f := g.flag()) is not None]
+    scope = group.scope([st for st, _ in members])
+    guard_flags = [f for g in group.round_guards if (f := g.flag(scope)) is not None]
     step = group.scaler.steps
     if group.skip_each:  # one host sync per member for its own decision (GradScaler's)
         own = [
@@ -222,7 +328,7 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
         found_inf = reduce_found_inf(flags + guard_flags, group.device, step)
         own = [found_inf] * len(members)
     for guard in group.round_guards:  # before the update: a floor that raises still restores
-        guard.settle(found_inf)
+        guard.settle(found_inf, scope)
     overflowing: tuple[str, ...] = ()
     if found_inf:  # before the update, so skip hooks can already ask which params overflowed
         overflowed = [m for m, o in zip(members, own, strict=True) if o]
@@ -264,6 +370,8 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     """The patched ``optimizer.step()``: evaluate the closure if one is given, join or open
     the round, then skip or step (5) and copy the masters into the model (7)."""
     st = optimizer_state(self, "optimizer.step()")
+    if "found_inf" in vars(self) or "grad_scale" in vars(self):
+        raise _grad_scaler_driving(st, self)
     loss = None
     if closure is not None:
         _check_closure(st, self)
@@ -280,12 +388,20 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     decision = st.round if st.round is not None else Round(False)
     tracker.on_step()
     try:
+        compensation = st.group.compensation
         if not decision.skipped:
-            compensation = st.group.compensation
-            if compensation is None:  # compensated masters exist only inside this step
-                params, masters = copies(st, self)
+            take_grad_edits(st, *copies(st, self))  # a clip of the model's grads since the round
+        if not decision.skipped and _written_since_check(st, self):
+            decision = Round(True)  # this optimizer's own skip; the scale is already updated
+        if not decision.skipped:
+            params, masters = copies(st, self)
+            if compensation is None:
                 refresh_edited_masters(st, params, masters)
-                take_grad_edits(st, params, masters)
+            elif compensation.fusable(self):
+                # one pass per tensor, no float32 working masters (torch's SGD/Adam/AdamW)
+                grads_cast = st.grads_cast
+                run_step_hooks(self, lambda: compensation.step_fused(self, master_grads=grads_cast))
+                return loss
             else:
                 compensation.fill(self)  # float32 working masters: w + c (kahan) or w
             if closure is None:
@@ -301,7 +417,55 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
         st.round = None
         st.implicit_unscale = False
         st.grad_marks = None
+        st.checked = None
+        if st.drop_master_grads:
+            _drop_master_grads(st, self)
+        st.grads_cast = False
     return loss
+
+
+def _drop_master_grads(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+    """Set the separate masters' gradients to None, keeping their memory for the next cast
+    (:func:`~mixprec_torch.model_edits.keep_dropped_grads`)."""
+    masters = copies(st, optimizer)[1]
+    held = held_grads(masters)
+    for master in masters:
+        master.grad = None
+    keep_dropped_grads(st.spare_grads, held)
+
+
+def _written_since_check(st: OptimizerState, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this optimizer, checked when another optimizer's ``step()`` opened the round,
+    has gradients written since that are now inf/NaN or overflow (a clip or an edit between
+    the two steps). Checked on this rank alone: an all-reduce here would hang ranks that made
+    no such write, and DDP's gradients are the same on every rank anyway."""
+    kept, st.checked = st.checked, None
+    if kept is None or not edited_since_check(optimizer, kept):
+        return False
+    st.found_inf = []
+    check_grads(st, optimizer)
+    return any(bool(flag.item()) for flag in st.found_inf)
+
+
+def _grad_scaler_driving(st: OptimizerState, optimizer: torch.optim.Optimizer) -> StepOrderError:
+    """The error for a ``torch.amp.GradScaler`` calling this step (a migration that kept
+    ``scaler.step(optimizer)``): it multiplied the loss by its own scale, which mixprec
+    cannot see, so the update would be that many times too large. The attributes the
+    GradScaler set are removed; nothing else has changed."""
+    scale = getattr(optimizer, "grad_scale", None)
+    for name in ("grad_scale", "found_inf"):
+        vars(optimizer).pop(name, None)
+    shown = f" ({float(scale):g})" if isinstance(scale, torch.Tensor) else ""
+    return StepOrderError(
+        "a torch.amp.GradScaler is stepping this optimizer (scaler.step(optimizer)), which "
+        f"mixprec.torch.wrap already manages under policy {st.group.policy}: the GradScaler "
+        f"multiplied the loss by its own scale{shown}, and the update would be that many "
+        "times too large. Remove the GradScaler (nothing was changed): replace "
+        "scaler.scale(loss).backward() with 'with mixprec.torch.scale_loss(loss, optimizer) "
+        "as scaled: scaled.backward()', scaler.unscale_(optimizer) with "
+        "mixprec.torch.unscale_(optimizer), scaler.step(optimizer) with optimizer.step(), "
+        "and drop scaler.update()"
+    )
 
 
 def _check_closure(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:

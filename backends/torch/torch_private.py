@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -24,13 +25,16 @@ __all__ = [
     "dispatch_key",
     "excluding",
     "fake_tensor_mode",
+    "foreach_add_",
     "foreach_copy_",
     "foreach_norm_float32",
     "foreach_zero_",
+    "has_scaled_mm",
     "in_backward",
     "is_scheduler_step_wrapper",
     "kernel_origin",
     "keys_after",
+    "load_strict",
     "mark_step_hooked",
     "never_compiled",
     "next_sequence_nr",
@@ -39,7 +43,9 @@ __all__ = [
     "op_schema",
     "problems",
     "registered_by_torch",
+    "run_step_hooks",
     "running_node_sequence_nr",
+    "scaled_mm",
     "scheduler_step_wrapper",
     "sole_owner",
     "sparse_values",
@@ -85,6 +91,16 @@ def foreach_norm_float32(tensors: list[torch.Tensor], ord: float = 2.0) -> tuple
     return tuple(torch._foreach_norm(tensors, ord, dtype=torch.float32))
 
 
+def foreach_add_(tensors: list[torch.Tensor], value: float) -> None:
+    """``t.add_(value)`` for every tensor, as one fused foreach call (the fused update's step
+    counters, as torch's own Adam increments them).
+
+    Why private: torch has no public multi-tensor add; one ``add_`` per parameter is one
+    Python call and one kernel each, on every step.
+    """
+    torch._foreach_add_(tensors, value)
+
+
 def foreach_zero_(tensors: list[torch.Tensor]) -> None:
     """``t.zero_()`` for every tensor, as one fused foreach call (what
     ``Optimizer.zero_grad(set_to_none=False)`` itself uses).
@@ -92,6 +108,30 @@ def foreach_zero_(tensors: list[torch.Tensor]) -> None:
     Why private: no public multi-tensor zero exists.
     """
     torch._foreach_zero_(tensors)
+
+
+def has_scaled_mm() -> bool:
+    """Whether this torch build has :func:`scaled_mm` at all (else FP8 is emulated)."""
+    return callable(getattr(torch, "_scaled_mm", None))
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` for FP8 ``a`` (row-major) and ``b`` (column-major),
+    in ``out_dtype``: the FP8 GEMM (tensor cores on CUDA 8.9+, a float32 kernel on the CPU).
+
+    Why private: torch's only FP8 GEMM is ``torch._scaled_mm`` (what torchao and Transformer
+    Engine's torch path call); there is no public one. Where it is missing or refuses a
+    device, recipe or shape, :mod:`mixprec_torch.fp8_numerics` emulates it exactly.
+    """
+    return torch._scaled_mm(  # type: ignore[no-any-return]
+        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+    )
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
@@ -209,6 +249,30 @@ def mark_step_hooked(func: Callable[..., Any]) -> None:
     ``step``, which is wrapped already, so wrapping again would run the hooks twice.
     """
     func.hooked = True  # type: ignore[attr-defined]
+
+
+def run_step_hooks(optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> Any:
+    """Run ``update`` in place of the optimizer's own ``step``, as that step runs: inside
+    the profiler's ``Optimizer.step#...`` range, after the step pre-hooks (global and the
+    optimizer's own) and before the post-hooks.
+
+    Why private-adjacent: ``Optimizer.profile_hook_step`` is the decorator torch wraps every
+    optimizer class's ``step`` in; it is the only way to give hooks registered with
+    ``register_step_pre_hook``/``register_step_post_hook`` (and the global ones) a step that
+    does not call the class's own ``step``.
+    """
+
+    def step(opt: torch.optim.Optimizer) -> Any:
+        return update()
+
+    return torch.optim.Optimizer.profile_hook_step(step)(optimizer)
+
+
+# In a compiled optimizer step the fused update is a graph break anyway (it calls native code);
+# tracing a wrapper made per call would fail dynamo's guards on the decorator's ParamSpec.
+run_step_hooks = torch.compiler.disable(
+    run_step_hooks, reason="mixprec: the fused compensated update runs eagerly"
+)
 
 
 # -------------------------------------------------------------------------------------------
@@ -354,6 +418,24 @@ def tracing_context() -> Any:
     return TracingContext.try_get()
 
 
+def load_strict() -> bool | None:
+    """The ``strict`` argument of the ``nn.Module.load_state_dict`` call running now, or
+    None when the caller is not inside one.
+
+    Why private: PyTorch hands every module's load pre-hooks ``strict=True`` whatever the
+    caller passed (the flag decides only at the very end, after every matching entry was
+    copied, whether missing and unexpected keys raise). A hook that must refuse a strict
+    load *before* anything is copied reads the flag from that call's frame.
+    """
+    code = torch.nn.Module.load_state_dict.__code__
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return None
+
+
 def fake_tensor_mode() -> Any:
     """A ``FakeTensorMode``: tensors made inside it have a device and a dtype but no data, so
     CUDA tensors exist without a GPU and ops compute only their results' dtypes and shapes.
@@ -416,9 +498,11 @@ def problems() -> list[str]:
 
     for name in (
         "_amp_foreach_non_finite_check_and_unscale_",
+        "_foreach_add_",
         "_foreach_copy_",
         "_foreach_norm",
         "_foreach_zero_",
+        "_scaled_mm",  # FP8 GEMMs fall back to exact emulation without it
     ):
         need(callable(getattr(torch, name, None)), f"torch.{name} is gone")
     try:
@@ -481,5 +565,22 @@ def problems() -> list[str]:
     need(
         getattr(type(opt).step, "hooked", False) is True,
         "Optimizer no longer marks a class's wrapped step with step.hooked",
+    )
+    seen_strict: list[bool | None] = []
+    model.register_load_state_dict_pre_hook(lambda *args: seen_strict.append(load_strict()))
+    model.load_state_dict(model.state_dict(), strict=False)
+    model.load_state_dict(model.state_dict())
+    need(
+        seen_strict == [False, True] and load_strict() is None,
+        "nn.Module.load_state_dict no longer runs the load pre-hooks inside its own frame "
+        "with a local named strict",
+    )
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    run_step_hooks(opt, lambda: calls.append("update"))
+    need(
+        calls == ["pre", "update", "post"],
+        "Optimizer.profile_hook_step no longer runs the step hooks around the step",
     )
     return found

@@ -36,6 +36,7 @@ from .checkpoint import ModelCheckpoint
 from .compensation import Compensation
 from .devices import capabilities, device_capability, device_key
 from .dtypes import dtype_name, torch_dtype
+from .master_update import prefer_fused_kernel
 from .model_edits import record_param_versions
 from .optimizer import patch_optimizer
 from .optimizer_state import WrapGroup
@@ -136,6 +137,9 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
     names = {pid: name for pid, (name, _) in plan.params.items()}
     scaler = LossScaler(policy.loss_scale, guard=guard)
     group = WrapGroup(policy, scaler, device_key(plan.device), masters, names)
+    group.model_count = len(plan.models)
+    for index, model in reversed(list(enumerate(plan.models))):  # a shared param: its first
+        group.param_models.update((id(p), index) for p in model.parameters())
     if plan.optimizers:  # a skipped step puts the running statistics back
         stats = RunningStats(plan.models)
         if len(stats):
@@ -149,6 +153,11 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
         # after the cast: the masters still hold the exact float32 values, the params bf16
         pairs = [(p, m) for p, m in masters.copied_pairs() if p.dtype == torch.bfloat16]
         group.compensation = Compensation(pairs, strategy, seed, state=policy.state)
+    if plan.fp8 is not None:  # before the casting hooks, which may wrap the forwards
+        plan.fp8.install()
+        group.fp8 = plan.fp8
+        if plan.optimizers:  # the delayed histories move with the steps
+            group.round_guards.append(plan.fp8)
     for model, casting, buffers in zip(plan.models, plan.castings, originals, strict=True):
         casting.install(model)
         checkpoint = ModelCheckpoint(model, masters, buffers, group.compensation)
@@ -156,6 +165,8 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
     local = local_tensor if plan.fsdp else None
     for opt in plan.optimizers:
         patch_optimizer(opt, group, local=local)
+        if group.compensation is None and masters.copied_pairs():
+            prefer_fused_kernel(opt)  # float32 masters that mixprec made: one sweep, not ten
     # after the casts: later in-place writes to these are the user's (model_edits)
     record_param_versions(group, [param for param, _ in masters.copied_pairs()])
     return group

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from mixprec.testing.protocol import ConformanceAdapter
 
 __all__ = [
+    "FP8_POLICIES",
     "LOWP_DTYPES",
     "OVERFLOW_SEQUENCE",
     "BackendUnderTest",
@@ -77,6 +78,13 @@ _TRAINER_PRESETS = ("O0", "O1", "O2", "O3", "O1-bf16", "O2-bf16", "O3-bf16")
 _STRATEGY_PRESETS = ("O3-bf16-kahan", "O3-bf16-sr")
 _STATE_POLICIES = ("O3-bf16-kahan,state=bfloat16", "O3-bf16-sr,state=bfloat16")
 _OP_POLICIES = (*_TRAINER_PRESETS, "O1+edits", "O1-bf16+edits", "O2+edits")
+#: The FP8 policy each recipe trains under, where the device lists the recipe.
+FP8_POLICIES: dict[str, str] = {
+    "tensorwise": "O1-fp8",
+    "rowwise": "O1-fp8,fp8=rowwise",
+    "delayed": "O2-fp8,fp8=delayed(history=4)",
+    "mxfp8": "O2-fp8,fp8=mxfp8",
+}
 
 
 _VARIANTS = ("edits", "trace")
@@ -284,8 +292,20 @@ def refused_state_cases(backend: BackendUnderTest) -> list[Case]:
 
 def trainer_cases(backend: BackendUnderTest) -> list[Case]:
     """Every preset the backend trains: the classic ones, then the compensated ones (with
-    the optimizer's own state, then with bfloat16 state)."""
-    return classic_trainer_cases(backend) + strategy_cases(backend) + state_cases(backend)
+    the optimizer's own state, then with bfloat16 state), then the FP8 ones
+    (:func:`mixprec.testing.fp8.fp8_trainer_cases`)."""
+    classic = classic_trainer_cases(backend) + strategy_cases(backend) + state_cases(backend)
+    return classic + fp8_trainer_cases(backend)
+
+
+def fp8_trainer_cases(backend: BackendUnderTest) -> list[Case]:
+    """The FP8 policy of each recipe the device lists (``DeviceCapability.fp8_recipes``)."""
+    listed = getattr(backend.device_capability, "fp8_recipes", ())
+    return [
+        (name, (name,))
+        for recipe, name in FP8_POLICIES.items()
+        if recipe in listed and backend.runs(name)
+    ]
 
 
 def trace_cases(backend: BackendUnderTest) -> list[Case]:

@@ -108,6 +108,17 @@ class ConformanceAdapter(Protocol):
         ``O3-bf16-kahan,state=bfloat16`` / ``O3-bf16-sr,state=bfloat16`` through every
         trainer test and checks that ``optimizer_state()`` stays on the bfloat16 grid and
         still moves (default: none, and such a backend must refuse ``state``).
+
+    ``fp8_quantise(recipe, fmt, rows, scale) -> (values, scales)``
+        required when the device lists FP8 recipes (``DeviceCapability.fp8_recipes``):
+        quantise ``rows`` (a list of equal-length lists of floats, reduced along the last
+        axis) to ``fmt`` (``"float8_e4m3fn"`` or ``"float8_e5m2"``) as the backend's FP8
+        layers do under ``recipe``, and return the format values as floats (row by row)
+        and the scales they were multiplied by (one per tensor, per row, or per block of
+        32 of each row, row-major). ``scale`` is a ``delayed`` scale from a history (None:
+        the tensor has none yet). The suite compares both with
+        :func:`mixprec.testing.fp8.reference_quantise` bit for bit, and trains the FP8
+        policies of :data:`mixprec.testing.cases.FP8_POLICIES` through the trainer tests.
     """
 
     name: str

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import cast
 
 import pytest
 
@@ -35,6 +36,13 @@ from mixprec.testing.cases import (
     unseen_op_cases,
 )
 from mixprec.testing.floats import round_to
+from mixprec.testing.fp8 import (
+    FP8_DATA,
+    FP8Quantiser,
+    fp8_operand_cases,
+    fp8_refused_cases,
+    reference_quantise,
+)
 from mixprec.testing.protocol import ConformanceTrainer
 
 Values = Mapping[str, list[float]]
@@ -347,6 +355,35 @@ def test_saved_params_are_float32(backend: BackendUnderTest, policy_name: str) -
     trainer = _trainer(backend, policy_name)
     trainer.step()
     assert trainer.saved_param_dtypes() == {"float32"}
+
+
+# ------------------------------------------------------------------------------------------
+# FP8: the quantised operands equal the reference; other recipes are refused
+# ------------------------------------------------------------------------------------------
+
+
+@cases(fp8_operand_cases, ("recipe", "fmt", "data", "scale"))
+def test_fp8_operands_match_the_reference(
+    backend: BackendUnderTest, recipe: str, fmt: str, data: str, scale: float | None
+) -> None:
+    """The backend's FP8 operand (format values and scales) equals :mod:`mixprec.fp8`'s
+    arithmetic bit for bit: saturation, subnormals, ties to even, NaN for non-finite
+    values, mxfp8's short last block."""
+    assert backend.adapter is not None
+    rows = FP8_DATA[data]
+    want_q, want_s = reference_quantise(rows, recipe, fmt, scale)
+    got_q, got_s = cast("FP8Quantiser", backend.adapter).fp8_quantise(recipe, fmt, rows, scale)
+    _assert_same({"scales": want_s}, {"scales": list(got_s)}, f"{recipe} scales")
+    want = {f"row {i}": row for i, row in enumerate(want_q)}
+    _assert_same(want, {f"row {i}": list(r) for i, r in enumerate(got_q)}, f"{recipe} values")
+
+
+@cases(fp8_refused_cases, ("policy_name",))
+def test_unlisted_fp8_recipe_is_refused(backend: BackendUnderTest, policy_name: str) -> None:
+    """An FP8 recipe the device does not list is refused with a MixprecError (preferably
+    UnsupportedDtypeError), never trained as if the fp8 item were not there."""
+    with pytest.raises(MixprecError):
+        _trainer(backend, policy_name)
 
 
 # ------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ ALL_NAMES = [
     "O3-bf16",
     "O3-bf16-kahan",
     "O3-bf16-sr",
+    "O1-fp8",
+    "O2-fp8",
     "auto",
 ]
 ALIASES = {

@@ -138,3 +138,11 @@ def test_widely_varying_step_times_are_flagged() -> None:
     busy.step_times = [0.01, 0.05, 0.012]
     notes = timing_notes([steady, busy])
     assert len(notes) == 1 and notes[0].startswith("O2-bf16: step times vary 5x")
+
+
+def test_fp8_presets_are_candidates_where_the_device_lists_their_recipe() -> None:
+    cap = mixprec.DeviceCapability("cpu", ("float32", "bfloat16"), fp8_recipes=("tensorwise",))
+    caps = mixprec.Capabilities("x", "1", (cap,))
+    assert candidate_policies(caps, "cpu") == [
+        "O0", "O1-bf16", "O2-bf16", "O3-bf16", "O1-fp8", "O2-fp8"
+    ]  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -109,3 +110,104 @@ def test_advice_report_files_failing_half_way_keep_the_previous_ones(tmp_path: P
     with file_size_limit(10), pytest.raises(OSError):
         report("second " * 100).save(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+# ---------------------------------------------------------------------- issue 21
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else set()
+
+
+def test_the_file_and_then_its_folder_are_fsynced_and_nothing_stays_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data reaches the disk before the rename, the rename itself after it."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        synced.append("folder" if stat.S_ISDIR(mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    before = _open_fds()
+    atomic_write_bytes(tmp_path / "f.bin", b"new")
+    assert synced == ["file", "folder"]
+    assert _open_fds() == before  # the temporary's and the folder's descriptors are closed
+
+
+def test_the_file_is_fsynced_before_it_replaces_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (order.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: (order.append("replace"), real_replace(a, b))[1]
+    )
+    atomic_write_bytes(tmp_path / "f.bin", b"new")
+    assert order == ["fsync", "replace", "fsync"]
+
+
+def test_a_symbolic_link_stays_a_link_to_the_new_content(tmp_path: Path) -> None:
+    """``mixprec.torch.save`` through a link (``latest.pt -> run3/ckpt.pt``) replaced the link
+    with a file; the link now stays and its target gets the new bytes."""
+    (tmp_path / "run3").mkdir()
+    real = tmp_path / "run3" / "ckpt.pt"
+    real.write_bytes(OLD)
+    link = tmp_path / "latest.pt"
+    link.symlink_to(Path("run3") / "ckpt.pt")
+    atomic_write_bytes(link, b"new")
+    assert link.is_symlink() and real.read_bytes() == b"new"
+    assert leftovers(tmp_path / "run3", "ckpt.pt") == [] and leftovers(tmp_path, "latest.pt") == []
+
+
+@pytest.mark.parametrize("length", [200, 242, 250, 255])
+def test_names_up_to_the_file_system_limit_are_written(tmp_path: Path, length: int) -> None:
+    """torch.save accepts a 255-byte name; the temporary name must fit beside it."""
+    target = tmp_path / ("é" * (length // 2) + "x" * (length % 2))
+    assert len(target.name.encode()) == length
+    target.write_bytes(OLD)
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_the_temporary_name_keeps_at_most_200_bytes_of_the_target_name(tmp_path: Path) -> None:
+    with atomic_path(tmp_path / ("é" * 127)) as tmp:
+        name = Path(tmp).name.encode()
+        Path(tmp).write_bytes(b"x")
+    # the dot, 200 bytes (100 whole characters), the dash, 8 random characters, ".tmp"
+    assert len(name) == 1 + 200 + 1 + 8 + 4 and name.startswith(b"." + "é".encode() * 100 + b"-")
+    with atomic_path(tmp_path / ("a" * 199 + "é")) as tmp:  # a character cut in half is dropped
+        assert Path(tmp).name.startswith("." + "a" * 199 + "-")
+        Path(tmp).write_bytes(b"x")
+
+
+def test_the_temporary_name_keeps_the_target_name_and_the_suffix(tmp_path: Path) -> None:
+    with atomic_path(tmp_path / "plot.png", suffix=".png") as tmp:
+        name = Path(tmp).name
+        Path(tmp).write_bytes(b"png")
+    assert name.startswith(".plot.png-") and name.endswith(".png")
+    with atomic_path(tmp_path / "f.bin") as tmp:
+        assert Path(tmp).name.endswith(".tmp") and Path(tmp).parent == tmp_path
+        Path(tmp).write_bytes(b"x")
+
+
+def test_reading_the_umask_at_import_puts_it_back(tmp_path: Path) -> None:
+    """mixprec.atomic reads the umask by setting it; the process's own must stay."""
+    script = "import os; os.umask(0o077); import mixprec.atomic; print(oct(os.umask(0)))"
+    done = subprocess.run(  # run elsewhere: the import is the installed mixprec's
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    assert done.stdout.strip() == "0o77"
+
+
+def test_a_name_with_bytes_that_are_no_utf8_is_written(tmp_path: Path) -> None:
+    """A file name from ``os.listdir`` may hold undecodable bytes (as surrogates)."""
+    target = tmp_path / os.fsdecode(b"ckpt-\xff.pt")
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert os.listdir(os.fsencode(tmp_path)) == [b"ckpt-\xff.pt"]

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import mixprec
 from mixprec import plugins
+from mixprec.advise_cli import split_candidates
 from mixprec.cli import build_parser, main
 from mixprec.cli_format import cli_messages
-from mixprec.errors import MixprecWarning
+from mixprec.errors import AdviceError, MixprecWarning
 from mixprec.presets import DTYPE_ROLES, builtin_preset_names
 from mixprec.spec import get_policy, preset_names
 
@@ -85,6 +87,51 @@ def test_backends_reports_versions_and_capabilities() -> None:
     assert f"torch {torch.__version__.split('+')[0]}" in out
     assert f"mxnet {mxnet.__version__}" in out
     assert "cpu: float32" in out and "bfloat16" in out
+
+
+# ---------------------------------------------------------------------- issue 21
+
+
+def test_explain_of_a_hostile_policy_file_is_an_error_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``mixprec explain`` printed an AttributeError traceback for ``base = 5``."""
+    for text in ("base = 5\n", "ops = " + "[" * 5000 + "]" * 5000 + "\n"):
+        path = tmp_path / "hostile.toml"
+        path.write_text(text, encoding="utf-8")
+        assert main(["explain", str(path), "softmax"]) == 2
+        assert capsys.readouterr().err.startswith("mixprec: error: ")
+    path.write_bytes(b"\xff\xfe")
+    assert main(["explain", str(path), "softmax"]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("given", "policies"),
+    [
+        ("O1-bf16,O2-bf16", ["O1-bf16", "O2-bf16"]),
+        ("base=O2-bf16,compute=bfloat16", ["base=O2-bf16,compute=bfloat16"]),
+        ("O2-bf16,output=bfloat16", ["O2-bf16,output=bfloat16"]),
+        ("O1-bf16;base=O2-bf16,compute=bfloat16", ["O1-bf16", "base=O2-bf16,compute=bfloat16"]),
+        ("mine.toml, O1 ;", ["mine.toml", "O1"]),
+        (
+            "path:head=float32(fp32=softmax,lowp=bmm),O1",
+            ["path:head=float32(fp32=softmax,lowp=bmm)", "O1"],
+        ),
+    ],
+)
+def test_advise_candidates_keep_a_key_grammar_policy_whole(given: str, policies: list[str]) -> None:
+    """``--candidates "base=O2-bf16,compute=bfloat16"`` was split on the comma into two
+    policies, and a policy nobody asked for was recommended."""
+    assert split_candidates(given) == policies
+    for policy in policies:
+        if not policy.endswith(".toml"):
+            get_policy(policy)  # each one is a policy
+
+
+def test_advise_candidates_that_name_nothing_are_refused() -> None:
+    with pytest.raises(AdviceError, match="names no policy"):
+        split_candidates(" ; ,")
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

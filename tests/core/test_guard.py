@@ -76,3 +76,111 @@ def test_a_floor_that_raises_stays_a_loss_scale_error() -> None:
 def test_guard_is_exported() -> None:
     assert mixprec.StepGuard is StepGuard
     assert issubclass(mixprec.RepeatedSkipWarning, mixprec.MixprecWarning)
+
+
+# ---------------------------------------------------------------------- issue 21: mutants
+
+
+def test_coerce_hands_a_guard_back_as_it_is() -> None:
+    guard = StepGuard(warn_after=4)
+    assert StepGuard.coerce(guard) is guard
+    assert StepGuard.coerce(None).warn_after == 10
+    assert StepGuard.coerce({}) == StepGuard()
+
+
+@pytest.mark.parametrize("value", [True, False, None, "3", 1.0])
+def test_warn_after_takes_only_an_integer(value: object) -> None:
+    with pytest.raises(PolicyError, match="must be an integer"):
+        StepGuard(warn_after=value)  # type: ignore[arg-type]
+
+
+def test_warn_after_zero_and_index_types_are_accepted() -> None:
+    class Three:  # an integer type of another library (numpy.int64 and friends)
+        def __index__(self) -> int:
+            return 3
+
+    assert StepGuard(warn_after=0).warn_after == 0
+    converted = StepGuard(warn_after=Three()).warn_after  # type: ignore[arg-type]
+    assert converted == 3 and type(converted) is int
+
+
+def test_a_default_watch_warns_after_ten_and_its_run_lists_steps_and_names() -> None:
+    watch = SkipWatch()
+    assert watch.guard == StepGuard()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(9):
+            watch.observe(step, True, ["a"])
+    assert watch.run[-1] == (8, ("a",))
+    with pytest.warns(RepeatedSkipWarning):
+        watch.observe(9, True)
+
+
+def test_the_message_spans_steps_and_ranks_parameters_by_how_often_they_overflowed() -> None:
+    watch = SkipWatch(StepGuard(warn_after=0))
+    for step, names in [(2, ["b"]), (3, ["a", "b"]), (5, ["b"]), (6, ["c"]), (7, ["c"])]:
+        watch.observe(step, True, names)
+    text = watch.message("loss scale 8")
+    assert "skipped 5 steps in a row under loss scale 8 (the latest: steps 2-3, 5-7)" in text
+    assert "Overflowing parameters: b (steps 2-3, 5); c (steps 6-7); a (steps 3)." in text
+    assert f"(norm > {NORM_LIMIT:.3g})" in text
+
+
+def test_the_message_names_eight_parameters_and_counts_the_rest() -> None:
+    watch = SkipWatch(StepGuard(warn_after=2))
+    watch.observe(0, True, [f"p{i}" for i in range(10)])
+    with pytest.warns(RepeatedSkipWarning) as caught:
+        watch.observe(1, True, ["p0"])
+    text = str(caught[0].message)
+    assert "p0 (steps 0-1); p1 (steps 0);" in text and "; and 2 more." in text
+    assert "p9" not in text and "p8" not in text and "p7 (steps 0)" in text
+    assert "under" not in text.split("(the latest")[0]
+
+
+def test_the_message_of_a_skip_without_named_parameters_says_why() -> None:
+    watch = SkipWatch(StepGuard(warn_after=1))
+    with pytest.warns(RepeatedSkipWarning, match="another rank overflowed.*BatchNorm"):
+        watch.observe(4, True)
+    assert "(the latest: steps 4)" in watch.message()
+
+
+def test_the_warning_repeats_at_each_multiple_and_only_the_latest_run_is_listed() -> None:
+    watch = SkipWatch(StepGuard(warn_after=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            watch.observe(step, True, [f"w{step}"])
+    assert len(caught) == 2
+    assert "steps 2-3" in str(caught[1].message) and "w1" not in str(caught[1].message)
+
+
+def test_parameters_overflowing_equally_often_are_listed_by_name() -> None:
+    watch = SkipWatch(StepGuard(warn_after=0))
+    watch.observe(1, True, ["z"])
+    watch.observe(2, True, ["a"])
+    assert "Overflowing parameters: a (steps 2); z (steps 1)." in watch.message()
+
+
+def test_a_message_without_a_policy_says_nothing_of_one() -> None:
+    watch = SkipWatch(StepGuard(warn_after=0))
+    watch.observe(3, True, ["w"])
+    assert watch.message().startswith("mixprec skipped 1 steps in a row (the latest: steps 3)")
+
+
+def test_the_warning_points_at_the_code_that_called_the_backends_step() -> None:
+    """A backend's step calls LossScaler.update; the warning names the user's line."""
+    scaler = LossScaler(NoScale(), guard=StepGuard(warn_after=1))
+
+    def backend_step() -> None:
+        scaler.update(True, ("w",))
+
+    with pytest.warns(RepeatedSkipWarning) as caught:
+        backend_step()
+    assert caught[0].filename == __file__
+
+
+def test_a_guard_is_an_immutable_value() -> None:
+    guard = StepGuard(warn_after=3)
+    with pytest.raises(AttributeError):
+        guard.warn_after = 4  # type: ignore[misc]
+    assert hash(guard) == hash(StepGuard(warn_after=3))

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import fields
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mixprec.errors import CheckpointError, LossScaleError, MixprecWarning, PolicyError
@@ -79,10 +79,19 @@ def megatron_reference(
     return scales, kinds
 
 
+#: The largest float32: GradScaler's scale is a float32 tensor.
+FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
+
+
 def grad_scaler_reference(
     seq: list[bool], *, init: float, growth: float, backoff: float, interval: int
 ) -> list[float]:
-    """torch.amp.GradScaler's update (the _amp_update_scale_ kernel), transcribed."""
+    """torch.amp.GradScaler's update (the _amp_update_scale_ kernel), transcribed.
+
+    The kernel grows only when ``scale * growth`` is finite *in float32*, the scale's dtype:
+    the product is compared with float32's largest value, not tested in float64 (which let
+    the reference grow past float32 after 56 finite steps at growth 4, where mixprec and
+    the kernel stop)."""
     scale, tracker, out = init, 0, []
     for found_inf in seq:
         if found_inf:
@@ -90,7 +99,7 @@ def grad_scaler_reference(
         else:
             tracker += 1
             if tracker == interval:
-                if math.isfinite(scale * growth):
+                if scale * growth <= FLOAT32_MAX:
                     scale *= growth
                 tracker = 0
         out.append(scale)
@@ -142,6 +151,7 @@ def test_dynamic_matches_megatron_reference(
     backoff=st.sampled_from([0.5, 0.25, 0.75, 0.999]),
     interval=st.integers(1, 50),
 )
+@example(seq=[False] * 56, growth=4.0, backoff=0.5, interval=1)  # past float32 (issue 21)
 def test_hysteresis_one_matches_grad_scaler(seq, growth, backoff, interval):
     # floor and ceiling far out of reach: min below anything 300 backoffs reach, no max
     state = DynamicScale(
@@ -402,3 +412,214 @@ def test_refill_and_skip_are_policy_settings_that_round_trip() -> None:
     assert "skip=optimizer" in str(policy)
     assert get_policy(str(policy)) == policy
     assert get_policy(policy.to_dict()) == policy
+
+
+# ---------------------------------------------------------------------- issue 21: mutants
+
+
+def test_the_documented_defaults() -> None:
+    """help(DynamicScale) and DESIGN.md: init 2**16, growth 2, backoff 0.5, interval 2000,
+    hysteresis 1, min 1, max 2**24, warn at the floor, refill on growth, the group skips."""
+    state = DynamicScale()
+    assert (state.init, state.growth, state.backoff, state.interval) == (65536.0, 2.0, 0.5, 2000)
+    assert (state.hysteresis, state.min, state.max) == (1, 1.0, 16777216.0)
+    assert (state.on_floor, state.refill, state.skip) == ("warn", "growth", "group")
+    assert (state.scale, state.good_steps, state.overflows_left) == (65536.0, 0, 1)
+    assert [type(v) for v in (state.init, state.interval)] == [float, int]
+
+
+def test_a_backoff_landing_exactly_on_min_is_a_backoff_not_the_floor() -> None:
+    state = DynamicScale(init=4.0, min=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no floor warning
+        update = state.update(True)
+    assert update.state.scale == 2.0
+    assert update.events == (ScaleEvent("skip", 4.0, 2.0), ScaleEvent("backoff", 4.0, 2.0))
+    assert update.state.overflows_left == 1 and update.state.good_steps == 0
+
+
+def test_a_growth_landing_exactly_on_max_grows_and_then_stays() -> None:
+    state = DynamicScale(init=8.0, max=16.0, interval=2)
+    scales, kinds = run(state, [False, False, False, False])
+    assert scales == [8.0, 16.0, 16.0, 16.0]
+    assert kinds == [(), ("growth",), (), ()]
+
+
+def test_a_scale_exactly_at_min_or_max_loads_and_one_beyond_is_refused() -> None:
+    assert DynamicScale(min=2.0, max=8.0, init=4.0, scale=2.0).scale == 2.0
+    assert DynamicScale(min=2.0, max=8.0, init=4.0, scale=8.0).scale == 8.0
+    assert DynamicScale(min=2.0, max=8.0, init=2.0).init == 2.0
+    assert DynamicScale(min=2.0, max=8.0, init=8.0).init == 8.0
+    for bad in (1.999, 8.001):
+        with pytest.raises(PolicyError, match="outside"):
+            DynamicScale(min=2.0, max=8.0, init=4.0, scale=bad)
+
+
+def test_good_steps_must_stay_below_interval() -> None:
+    assert DynamicScale(interval=3, good_steps=2).good_steps == 2
+    with pytest.raises(PolicyError, match="good_steps=3 must be below interval=3"):
+        DynamicScale(interval=3, good_steps=3)
+    with pytest.raises(PolicyError, match="good_steps"):
+        DynamicScale(good_steps=-1)
+
+
+def test_the_interval_th_finite_step_grows_and_restarts_the_count() -> None:
+    state = DynamicScale(init=8.0, interval=3, hysteresis=2, overflows_left=1)
+    once = state.update(False).state
+    assert (once.scale, once.good_steps, once.overflows_left) == (8.0, 1, 1)
+    grown = once.update(False).state.update(False).state
+    assert (grown.scale, grown.good_steps, grown.overflows_left) == (16.0, 0, 2)
+
+
+def test_refill_finite_refills_on_every_finite_step() -> None:
+    state = DynamicScale(hysteresis=3, refill="finite", overflows_left=1)
+    assert state.update(False).state.overflows_left == 3
+    assert DynamicScale(hysteresis=3, overflows_left=1).update(False).state.overflows_left == 1
+
+
+def test_overflows_left_is_checked_against_hysteresis() -> None:
+    assert DynamicScale(hysteresis=2, overflows_left=2).overflows_left == 2
+    assert DynamicScale(hysteresis=2, overflows_left=1).overflows_left == 1
+    with pytest.raises(PolicyError, match="exceeds hysteresis"):
+        DynamicScale(hysteresis=2, overflows_left=3)
+    with pytest.raises(PolicyError, match="overflows_left"):
+        DynamicScale(hysteresis=2, overflows_left=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"growth": 1.0},
+        {"backoff": 0.999},
+        {"interval": 1},
+        {"hysteresis": 1},
+        {"min": 65536.0},
+        {"max": 65536.0},
+        {"max": math.inf},
+        {"on_floor": "raise"},
+        {"skip": "optimizer"},
+    ],
+)
+def test_boundary_arguments_are_accepted(kwargs: dict[str, object]) -> None:
+    state = DynamicScale(**kwargs)  # type: ignore[arg-type]
+    for key, value in kwargs.items():
+        assert getattr(state, key) == value
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"growth": 0.999},
+        {"backoff": 1.0},
+        {"backoff": 0.0},
+        {"interval": 0},
+        {"hysteresis": 0},
+        {"interval": True},
+        {"init": True},
+        {"init": 10**400},
+        {"max": -math.inf},
+        {"min": 0.0},
+    ],
+)
+def test_just_outside_arguments_are_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(PolicyError):
+        DynamicScale(**kwargs)  # type: ignore[arg-type]
+
+
+def test_fresh_and_config_restart_at_init() -> None:
+    state = DynamicScale(init=8.0, interval=4, hysteresis=3).update(True).state
+    state = state.update(False).state
+    for fresh in (state.fresh(), state.config()):
+        assert (fresh.scale, fresh.good_steps, fresh.overflows_left) == (8.0, 0, 3)
+    assert NoScale().fresh() == NoScale() and StaticScale(2.0).config() == StaticScale(2.0)
+
+
+def test_state_dict_of_every_kind_names_it() -> None:
+    assert NoScale().state_dict() == {"kind": "none"}
+    assert StaticScale(2.0).state_dict() == {"kind": "static", "scale": 2.0}
+    saved = DynamicScale(init=8.0).state_dict()
+    assert saved["kind"] == "dynamic" and saved["scale"] == 8.0 and saved["good_steps"] == 0
+    with pytest.raises(CheckpointError, match="unknown loss-scale kind"):
+        loss_scale_from_state_dict({**saved, "kind": ["dynamic"]})
+    with pytest.raises(CheckpointError, match="missing \\['init'\\], unexpected \\['x'\\]"):
+        loss_scale_from_state_dict({**{k: v for k, v in saved.items() if k != "init"}, "x": 1})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init": "x"}, r"DynamicScale init must be a positive finite number, got 'x'; see help"),
+        ({"growth": "x"}, r"DynamicScale growth must be a positive finite number.*see help"),
+        ({"growth": 0.5}, r"DynamicScale growth must be >= 1, got 0\.5; try 2\.0"),
+        ({"backoff": "x"}, r"DynamicScale backoff must be a positive finite number.*see help"),
+        ({"backoff": 2.0}, r"backoff must be between 0 and 1, got 2\.0; try 0\.5"),
+        ({"interval": 0}, r"DynamicScale interval must be >= 1, got 0; try 2000"),
+        ({"interval": "x"}, r"DynamicScale interval must be an integer, got 'x'; try 2000"),
+        ({"hysteresis": 0}, r"DynamicScale hysteresis must be >= 1, got 0; 1 means no tolerance"),
+        ({"min": "x"}, r"DynamicScale min must be a positive finite number.*see help"),
+        ({"max": "x"}, r"DynamicScale max must be a positive finite number.*math\.inf"),
+        ({"scale": "x"}, r"DynamicScale scale must be a positive finite number.*see help"),
+        ({"scale": 2.0**30}, r"scale=1073741824\.0 lies outside \[min, max\].*leave scale unset"),
+        ({"good_steps": -1}, r"DynamicScale good_steps must be >= 0, got -1; leave it at 0"),
+        ({"overflows_left": 0}, r"DynamicScale overflows_left must be >= 1.*leave it unset"),
+        ({"overflows_left": 2}, r"overflows_left=2 exceeds hysteresis=1; leave it unset"),
+    ],
+)
+def test_each_bad_argument_is_named_with_its_fix(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(PolicyError, match=match):
+        DynamicScale(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_bad_static_scale_names_the_class_and_the_fix() -> None:
+    with pytest.raises(PolicyError, match=r"StaticScale\.scale must be .*StaticScale\(1024\.0\)"):
+        StaticScale(0.0)
+
+
+class _Index:
+    """An integer of another library (numpy.int64 and friends)."""
+
+    def __index__(self) -> int:
+        return 3
+
+
+def test_arguments_are_stored_as_floats_and_ints() -> None:
+    state = DynamicScale(
+        init=8, growth=4, backoff=_Half(), interval=_Index(), hysteresis=_Index(), min=2, max=64
+    )  # type: ignore[arg-type]
+    floats = [getattr(state, k) for k in ("init", "growth", "min", "max")]
+    assert floats == [8.0, 4.0, 2.0, 64.0] and {type(v) for v in floats} == {float}
+    assert (type(state.backoff), state.backoff) == (float, 0.5)
+    assert [type(getattr(state, k)) for k in ("interval", "hysteresis", "overflows_left")] == [
+        int, int, int
+    ]  # fmt: skip
+    assert (state.interval, state.hysteresis, state.scale, type(state.scale)) == (3, 3, 8.0, float)
+    moved = DynamicScale(init=8, scale=16, good_steps=_Index(), interval=4, overflows_left=1)  # type: ignore[arg-type]
+    assert (type(moved.scale), moved.scale, type(moved.good_steps), moved.good_steps) == (
+        float, 16.0, int, 3
+    )  # fmt: skip
+    left = DynamicScale(hysteresis=4, overflows_left=_Index())  # type: ignore[arg-type]
+    assert (type(left.overflows_left), left.overflows_left) == (int, 3)
+    assert type(StaticScale(4).scale) is float  # type: ignore[arg-type]
+
+
+class _Half:
+    def __float__(self) -> float:
+        return 0.5
+
+
+def test_no_scale_is_disabled_and_the_others_enabled_exactly() -> None:
+    assert NoScale().enabled is False and StaticScale(2.0).enabled is True
+    assert DynamicScale().enabled is True and NoScale().scale == 1.0
+
+
+def test_a_scale_may_grow_to_exactly_float32s_largest() -> None:
+    state = DynamicScale(init=2.0**126, growth=4.0, interval=1, max=FLOAT32_MAX)
+    assert state.update(False).state.scale == FLOAT32_MAX
+    at_top = DynamicScale(init=FLOAT32_MAX, interval=1, max=math.inf)
+    assert at_top.update(False) == (at_top.update(False).state, ())  # stays, no event
+
+
+def test_the_floor_warning_points_at_the_caller_of_update() -> None:
+    with pytest.warns(MixprecWarning) as caught:
+        DynamicScale(init=2.0, min=1.5).update(True)
+    assert caught[0].filename == __file__

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from mixprec.errors import CheckpointError
+from mixprec.errors import CheckpointError, LossScaleError
 from mixprec.events import EventLog, ScaleEvent
 from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
-from mixprec.scaler import LossScaler
+from mixprec.scaler import LossScaler, MixprecState, ScalerCounters
+from mixprec.spec import get_policy
 from mixprec.step import StepTracker
 
 
@@ -109,3 +111,112 @@ def test_load_refuses_another_kind_and_incomplete_dicts():
         LossScaler(NoScale()).load_state_dict(saved)
     with pytest.raises(CheckpointError, match="missing \\['steps'\\]"):
         LossScaler(DynamicScale()).load_state_dict({k: v for k, v in saved.items() if k != "steps"})
+
+
+# ---------------------------------------------------------------------- issue 21
+
+
+def _saved(**changed: object) -> dict[str, object]:
+    scaler = LossScaler(DynamicScale(init=64.0))
+    for found_inf in (False, True, False):
+        scaler.update(found_inf)
+    return {**scaler.state_dict(), **changed}
+
+
+@pytest.mark.parametrize("key", ["steps", "skipped_steps"])
+@pytest.mark.parametrize(
+    "value", [math.inf, -math.inf, math.nan, 1e400, -1, 2.5, True, False, "3", None, [3]]
+)
+def test_a_malformed_counter_is_refused_before_any_change(key: str, value: object) -> None:
+    """An infinite counter escaped as OverflowError; every malformed one is a
+    CheckpointError, and the scaler keeps its state."""
+    scaler = LossScaler(DynamicScale(init=8.0))
+    scaler.update(True)
+    before = scaler.state_dict()
+    with pytest.raises(CheckpointError, match=r"counter .* is not a non-negative whole number"):
+        scaler.load_state_dict(_saved(**{key: value}))
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("value", ["no", 2, None, 1.0, [True]])
+def test_a_malformed_last_step_skipped_is_refused(value: object) -> None:
+    scaler = LossScaler(DynamicScale())
+    with pytest.raises(CheckpointError, match="last_step_skipped"):
+        scaler.load_state_dict(_saved(last_step_skipped=value))
+    assert scaler.steps == 0 and not scaler.last_step_skipped
+
+
+def test_whole_numbers_load_as_ints_and_zero_is_a_count() -> None:
+    scaler = LossScaler(DynamicScale())
+    scaler.load_state_dict(_saved(steps=7.0, skipped_steps=0, last_step_skipped=1))
+    assert (scaler.steps, scaler.skipped_steps, scaler.last_step_skipped) == (7, 0, True)
+    assert type(scaler.steps) is int and scaler.last_step_skipped is True
+    scaler.load_state_dict(_saved(last_step_skipped=0))
+    assert scaler.last_step_skipped is False
+
+
+@pytest.mark.parametrize("bad", [5, None, "dynamic", [("kind", "dynamic")]])
+def test_a_loss_scale_entry_that_is_no_dict_is_refused(bad: object) -> None:
+    with pytest.raises(CheckpointError, match="'loss_scale' must be a dict"):
+        LossScaler(DynamicScale()).load_state_dict(_saved(loss_scale=bad))
+    with pytest.raises(CheckpointError, match="must be a dict"):
+        LossScaler(DynamicScale()).load_state_dict([("steps", 1)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("scale", math.inf), ("scale", 10**400), ("good_steps", math.inf), ("kind", ["dynamic"])],
+)
+def test_a_hostile_loss_scale_state_is_a_checkpoint_error(key: str, value: object) -> None:
+    saved = _saved()
+    saved["loss_scale"] = {**saved["loss_scale"], key: value}  # type: ignore[dict-item]
+    with pytest.raises(CheckpointError):
+        LossScaler(DynamicScale()).load_state_dict(saved)
+
+
+def test_update_counts_and_reports_each_step() -> None:
+    scaler = LossScaler(StaticScale(4.0))
+    assert (scaler.steps, scaler.skipped_steps, scaler.last_step_skipped) == (0, 0, False)
+    assert scaler.update(True) is True
+    assert (scaler.steps, scaler.skipped_steps, scaler.last_step_skipped) == (1, 1, True)
+    assert scaler.update(False) is False
+    assert (scaler.steps, scaler.skipped_steps, scaler.last_step_skipped) == (2, 1, False)
+    assert scaler.update(0) is False and scaler.update(1) is True  # a device flag's value
+    assert repr(scaler) == (
+        "LossScaler(scale=4, steps=4, skipped_steps=2, state=StaticScale(scale=4.0))"
+    )
+
+
+def test_a_floor_that_raises_leaves_the_scaler_as_it_was() -> None:
+    scaler = LossScaler(DynamicScale(init=1.0, min=1.0, on_floor="raise"))
+    with pytest.raises(LossScaleError):
+        scaler.update(True)
+    assert (scaler.steps, scaler.skipped_steps, scaler.last_step_skipped) == (0, 0, False)
+    assert scaler.scale == 1.0 and len(scaler.events) == 0
+
+
+def test_snapshot_and_the_counters_mixin_read_the_scaler() -> None:
+    class Holder(ScalerCounters):
+        def __init__(self) -> None:
+            self.scaler = LossScaler(DynamicScale(init=8.0))
+
+    holder = Holder()
+    holder.scaler.update(True)
+    assert holder.loss_scale == 4.0 and holder.skipped_steps == 1
+    assert holder.last_step_skipped is True and holder.events is holder.scaler.events
+    policy = get_policy("O2")
+    snap = holder.scaler.snapshot(policy)
+    assert snap == MixprecState(
+        loss_scale=4.0,
+        skipped_steps=1,
+        last_step_skipped=True,
+        steps=1,
+        policy=policy,
+        events=holder.scaler.events,
+    )
+
+
+def test_a_snapshot_is_an_immutable_value() -> None:
+    snap = LossScaler(NoScale()).snapshot(get_policy("O0"))
+    with pytest.raises(AttributeError):
+        snap.loss_scale = 2.0  # type: ignore[misc]

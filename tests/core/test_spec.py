@@ -291,3 +291,94 @@ def test_module_rules_in_a_mapping_may_use_the_grammar_form() -> None:
         "*LayerNorm*", "float32", ops={"softmax": "fp32", "exp": "fp32"}
     )
     assert policy == expected
+
+
+# ---------------------------------------------------------------------- issue 21: hostile files
+
+HOSTILE = {
+    "base is a number": ("base = 5\n", "'base' must be a string"),
+    "kind is a list": ('[loss_scale]\nkind = ["dynamic"]\n', "bad loss_scale"),
+    "a role is a number": ("compute = 5\n", "'compute' must be a string"),
+    "name is a number": ("name = 5\n", "'name' must be a string"),
+    "an op list is a number": ("[ops]\nfp32 = 5\n", "'ops' must map op lists"),
+    "modules is a number": ("modules = 5\n", "'modules' must be a list"),
+    "add_modules is a number": ("add_modules = 5\n", "'add_modules' must be a list"),
+    "rule ops is a number": (
+        '[[modules]]\nmatch = "class"\npattern = "X"\nops = 5\n',
+        "bad module rule",
+    ),
+    "rule dtype is a list": (
+        '[[modules]]\nmatch = "class"\npattern = "X"\ndtype = ["float32"]\n',
+        "bad module rule",
+    ),
+    "an integer beyond float": (
+        '[loss_scale]\nkind = "static"\nscale = 1' + "0" * 400 + "\n",
+        "positive finite",
+    ),
+    "a float beyond float": ('[loss_scale]\nkind = "dynamic"\ninit = 1e400\n', "positive finite"),
+    "deep nesting": ("ops = " + "[" * 5000 + "]" * 5000 + "\n", "nests .* too deeply"),
+    "deep inline tables": (
+        "ops = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n",
+        "nests .* too deeply",
+    ),
+    "a deep loss scale table": (
+        "loss_scale = " + "[" * 50 + "]" * 50 + "\n",
+        "bad loss_scale",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_policy_file_is_a_policy_error(tmp_path: Path, case: str) -> None:
+    """AttributeError, TypeError, OverflowError and RecursionError escaped before."""
+    text, message = HOSTILE[case]
+    path = tmp_path / "hostile.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(PolicyError, match=message):
+        get_policy(path)
+    with pytest.raises(PolicyError, match=message):
+        get_policy(str(path))
+
+
+def test_a_file_that_is_no_utf8_text_is_a_policy_error(tmp_path: Path) -> None:
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe base = 1")
+    with pytest.raises(PolicyError, match="is not UTF-8 text"):
+        get_policy(path)
+
+
+def test_an_endless_file_is_read_only_up_to_the_limit(tmp_path: Path) -> None:
+    """A policy path to /dev/zero was read without bound."""
+    import mixprec.spec
+
+    endless = Path("/dev/zero")
+    if not endless.exists():
+        pytest.skip("no /dev/zero here")
+    link = tmp_path / "zero.toml"
+    link.symlink_to(endless)
+    for spec in (endless, str(link)):
+        with pytest.raises(PolicyError, match="larger than 1 MiB"):
+            get_policy(spec)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (mixprec.spec.MAX_POLICY_BYTES + 1))
+    with pytest.raises(PolicyError, match="larger than"):
+        get_policy(big)
+    exact = tmp_path / "exact.toml"
+    exact.write_bytes(b'base = "O1"\n' + b"#" * (mixprec.spec.MAX_POLICY_BYTES - 13) + b"\n")
+    assert get_policy(exact) == get_policy("O1")
+
+
+def test_a_saved_policy_of_the_wrong_shape_is_a_policy_error() -> None:
+    """Checkpoints carry Policy.to_dict(): Policy.from_dict checks its shape the same way."""
+    good = get_policy("O2-bf16").to_dict()
+    assert Policy.from_dict(good) == get_policy("O2-bf16")
+    for key, value in [("base", 5), ("ops", {"fp32": "softmax"}), ("modules", [{"ops": 5}])]:
+        with pytest.raises(PolicyError):
+            Policy.from_dict({**good, key: value})
+    with pytest.raises(PolicyError, match="table of named settings"):
+        Policy.from_dict([("base", "O1")])  # type: ignore[arg-type]
+    deep: Any = []
+    for _ in range(10_000):
+        deep = [deep]
+    with pytest.raises(PolicyError, match=r"\[\[\[\.\.\.\]\]\]"):  # shown bounded, no recursion
+        Policy.from_dict({"modules": deep})

@@ -45,3 +45,16 @@ def test_a_step_without_a_positive_batch_size_changes_nothing(batch_size: object
     assert all(np.array_equal(before[k], v) for k, v in values(net).items())
     trainer.step(x.shape[0])  # the backward is still pending: the real step goes through
     assert trainer.scaler.steps == 1
+
+
+@pytest.mark.parametrize("policy", ["O1-fp8", "O2-fp8,fp8=delayed"])
+def test_an_fp8_policy_is_refused_before_the_net_changes(policy: str) -> None:
+    from mixprec.errors import UnsupportedDtypeError
+
+    net = mlp()
+    before = values(net)
+    dtypes = {name: p.dtype for name, p in net.collect_params().items()}
+    with pytest.raises(UnsupportedDtypeError, match=r"fp8.*(O1-bf16|O2-bf16)"):
+        Trainer(net, "sgd", {"learning_rate": 0.1}, policy=policy)
+    assert {name: p.dtype for name, p in net.collect_params().items()} == dtypes
+    assert all(np.array_equal(before[k], v) for k, v in values(net).items())

@@ -50,6 +50,17 @@ def train_tanh(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -
     return losses
 
 
+def working_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages behind the optimizer's parameters (the compensated
+    working masters between steps), read without ``master_params`` (which fills them)."""
+    storages = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            storage = p.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def batch(step: int, n: int = 64, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     return torch.randn(n, 16, generator=gen) * scale, torch.randint(0, 5, (n,), generator=gen)

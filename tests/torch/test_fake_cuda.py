@@ -169,5 +169,6 @@ def test_a_bare_cuda_device_is_the_current_one() -> None:
     with fake_cuda():
         assert device_key(torch.device("cuda")) == "cuda:0"
         assert mpt.capabilities().device("cuda").describe() == (
-            "cuda:0: float32, bfloat16, float16 (fast: bfloat16, float16) — compute capability 8.0"
+            "cuda:0: float32, bfloat16, float16 (fast: bfloat16, float16) "
+            "(fp8: tensorwise, rowwise, delayed, mxfp8) — compute capability 8.0"
         )

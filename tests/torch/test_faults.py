@@ -27,8 +27,20 @@ from mixprec import DynamicScale, StepGuard  # noqa: E402
 from mixprec.errors import LossScaleError, MixprecWarning  # noqa: E402
 from mixprec.guard import NORM_LIMIT, RepeatedSkipWarning  # noqa: E402
 
-#: Faults a step can carry; the first ones must be skipped whatever the policy.
-SKIPPED = ("loss_inf", "loss_nan", "loss_huge", "grad_inf", "grad_nan", "grad_huge", "input_nan")
+#: Faults a step can carry; the first ones must be skipped whatever the policy. The
+#: ``edit_*`` ones are written after ``unscale_()``, into a master gradient or (``model``)
+#: the model's own gradient, as a clip or a user's hook would (issue 21).
+EDITS = ("edit_nan", "edit_huge", "edit_model_nan")
+SKIPPED = (
+    "loss_inf",
+    "loss_nan",
+    "loss_huge",
+    "grad_inf",
+    "grad_nan",
+    "grad_huge",
+    "input_nan",
+    *EDITS,
+)
 FAULTS = ("none", *SKIPPED, "input_huge")
 PRESETS = ("O0", "O1-bf16", "O2-bf16", "O3-bf16", "O1", "O2", "O3")
 FP16 = ("O1", "O2", "O3")
@@ -104,6 +116,13 @@ class Rig:
             grad.view(-1)[0] = {"grad_inf": math.inf, "grad_nan": math.nan, "grad_huge": huge}[
                 fault
             ]
+        if fault in EDITS:
+            mpt.unscale_(self.opt)
+            if fault == "edit_model_nan":
+                edited = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            else:
+                edited = next(m.grad for m in mpt.master_params(self.opt) if m.grad is not None)
+            edited.view(-1)[0] = math.nan if fault != "edit_huge" else 3e19
         self.opt.step()
         return mpt.state(self.opt).last_step_skipped
 
@@ -184,6 +203,65 @@ def test_a_huge_finite_loss_is_skipped_without_loss_scaling(preset: str, optimiz
         assert not rig.step("none")
     _assert_finite(rig.tensors(), "a huge loss")
     assert max(float(p.detach().abs().max()) for p in rig.model.parameters()) < 100
+
+
+@pytest.mark.parametrize("fault", ["edit_nan", "edit_model_nan"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_gradient_written_after_unscale_is_checked_at_the_step(preset: str, fault: str) -> None:
+    """The issue's reproduction: ``unscale_(o); master.grad[0, 0] = nan; o.step()`` wrote NaN
+    into the weights under every policy; the guard now checks at ``step()``."""
+    low = {"loss_scale": DynamicScale(init=2.0**8)} if preset in ("O1", "O2") else {}
+    rig = Rig(preset, "adam", **low)  # a scale whose first step does not overflow float16
+    assert not rig.step("none")
+    before = {n: t.detach().clone() for n, t in rig.tensors().items()}
+    assert rig.step(fault)
+    _assert_finite(rig.tensors(), f"a NaN written after unscale_ under {preset}")
+    assert all(torch.equal(t, before[n]) for n, t in rig.tensors().items())
+    assert not rig.step("none")  # and the next clean step is applied
+
+
+@pytest.mark.parametrize("preset", ["O3-bf16-kahan", "O3-bf16-sr"])
+def test_a_master_gradient_written_after_unscale_is_checked_under_compensation(
+    preset: str,
+) -> None:
+    rig = Rig(preset, "sgd")
+    assert not rig.step("none")
+    weights = [p.detach().clone() for p in rig.model.parameters()]
+    assert rig.step("edit_nan")
+    assert all(torch.equal(a, b) for a, b in zip(weights, rig.model.parameters(), strict=True))
+
+
+def test_a_member_written_after_the_round_opened_is_checked_at_its_own_step() -> None:
+    """Two optimizers of one backward pass: the first ``step()`` checks both; a write into
+    the second one's gradients between the two steps is checked at its own step."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    (a, b), (opt_a, opt_b) = mpt.wrap([a, b], opts, "O2-bf16")
+    x = torch.randn(4, 3)
+    with mpt.scale_loss((a(x).float() + b(x).float()).sum(), [opt_a, opt_b]) as scaled:
+        scaled.backward()
+    opt_a.step()
+    mpt.master_params(opt_b)[0].grad[0, 0] = math.nan
+    weight = b.weight.detach().clone()
+    opt_b.step()
+    assert torch.equal(b.weight, weight) and torch.isfinite(b.weight).all()
+    assert torch.isfinite(mpt.master_params(opt_b)[0]).all()
+
+
+def test_the_apex_drop_in_checks_a_master_gradient_written_after_scale_loss() -> None:
+    from mixprec.compat import apex_amp as amp
+
+    model = _net(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2-bf16", verbosity=0)
+    loss = model(torch.randn(8, 3)).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    next(iter(amp.master_params(opt))).grad[0, 0] = math.nan
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(m).all() for m in amp.master_params(opt))
 
 
 def test_a_large_but_representable_gradient_is_applied() -> None:

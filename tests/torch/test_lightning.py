@@ -4,6 +4,8 @@ training written as a plain mixprec loop (wrap, scale_loss, unscale_, clip, step
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
-from mixprec.errors import WrapError  # noqa: E402
+from mixprec.errors import CheckpointError, MixprecWarning, WrapError  # noqa: E402
 from mixprec.lightning import MixprecPrecision  # noqa: E402
 
 pytestmark = LIGHTNING_MARKS
@@ -249,3 +251,30 @@ def test_validate_after_fit_reuses_the_wrap_and_a_second_fit_is_refused() -> Non
     (metrics,) = trainer("O2-bf16").validate(fresh, loader, verbose=False)
     assert metrics["val_loss"] > 0
     assert fresh.net[0].weight.dtype == torch.bfloat16
+
+
+def test_resuming_under_another_policy_says_so(tmp_path: Path) -> None:
+    """The plugin took the saved scaler state under its own, different policy without a
+    word (issue 21)."""
+    _, first_tr = fit("O2-bf16", 1)
+    path = tmp_path / "epoch1.ckpt"
+    first_tr.save_checkpoint(path)
+    resumed_tr = trainer("O1-bf16", 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MixprecWarning)
+        resumed_tr.fit(Net(), DataLoader(data(), batch_size=BATCH), ckpt_path=path)
+    said = [str(w.message) for w in caught if issubclass(w.category, MixprecWarning)]
+    # the plugin says so (the optimizers' own state dicts say it for themselves too)
+    assert any(
+        re.search(r"saved under policy O2-bf16 but this Trainer's MixprecPrecision runs O1-bf16", m)
+        for m in said
+    ), said
+
+
+def test_a_malformed_saved_policy_is_refused_before_any_change() -> None:
+    _, tr = fit("O2-bf16", 1)
+    plugin = tr.precision_plugin
+    before = plugin.state_dict()
+    with pytest.raises(CheckpointError, match="malformed policy"):
+        plugin.load_state_dict({**before, "policy": {"base": 5}})
+    assert plugin.state_dict() == before

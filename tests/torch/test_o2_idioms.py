@@ -214,3 +214,64 @@ def test_an_error_inside_a_directly_called_submodule_leaves_nothing_open() -> No
     seen = _linear_dtypes(model)
     model.encoder(torch.randn(4, 16))  # the next direct call still enters the policy
     assert seen == [torch.bfloat16, torch.bfloat16]
+
+
+# ---------------------------------------------------------------------- issue 21
+
+
+@pytest.mark.parametrize("policy", ["O2-bf16", "O2"])
+def test_a_float32_tensor_the_model_makes_itself_reaches_its_low_precision_layers(
+    policy: str,
+) -> None:
+    """Lightning's demo Transformer caches ``self.pe`` (float32) in forward and builds float
+    masks there; under O2 they met the bfloat16 weights: "expected m1 and m2 to have the
+    same dtype"."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.demos.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=50, ninp=16, nhead=2, nhid=16, nlayers=1, dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scale = {"loss_scale": mixprec.DynamicScale(init=2.0**8)} if policy == "O2" else {}
+    model, opt = mpt.wrap(model, opt, policy, **scale)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 50, (4, 8), generator=gen), torch.randint(0, 50, (4, 8), generator=gen)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.nll_loss(model(x, y).float(), y.view(-1))
+        with mpt.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert model.pos_encoder.pe.dtype == torch.float32  # the model's own tensor, untouched
+    assert not mpt.state(opt).skipped_steps and losses[-1] < losses[0]
+
+
+class _Stamped(nn.Module):
+    """A block fed a float32 timestep embedding its parent computes in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stamp = torch.sin(torch.arange(4, dtype=torch.float32))  # float32, made here
+        hidden = torch.utils.checkpoint.checkpoint(self.block, x + stamp, use_reentrant=False)
+        return self.head(hidden)
+
+
+def test_a_recomputed_block_casts_as_its_forward_did() -> None:
+    """Activation checkpointing recomputes the block from the float32 input it was given:
+    the recomputation casts it as the forward did, so the saved tensors match."""
+    torch.manual_seed(0)
+    model = _Stamped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mpt.wrap(model, opt, "O2-bf16")
+    loss = model(torch.randn(3, 4)).float().sum()
+    with mpt.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    opt.step()
+    assert not mpt.state(opt).last_step_skipped

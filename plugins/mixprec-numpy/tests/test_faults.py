@@ -19,7 +19,8 @@ from mixprec import StepGuard
 from mixprec.guard import NORM_LIMIT, RepeatedSkipWarning
 from mixprec_numpy import MLP, SGD, Trainer, state
 
-SKIPPED = ("grad_inf", "grad_nan", "grad_huge", "input_nan")
+#: ``edit_*``: written into a master gradient after ``unscale_()`` (issue 21)
+SKIPPED = ("grad_inf", "grad_nan", "grad_huge", "input_nan", "edit_nan", "edit_huge")
 FAULTS = ("none", *SKIPPED, "input_huge")
 PRESETS = ("O0", "O1", "O2", "O1-bf16", "O2-bf16", "O3-bf16")
 X = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
@@ -54,6 +55,10 @@ def _step(trainer: Trainer, model: MLP, fault: str) -> bool:
         value = {"grad_inf": math.inf, "grad_nan": math.nan, "grad_huge": huge}[fault]
         with np.errstate(over="ignore"):
             param.grad.reshape(-1)[0] = value
+    if fault.startswith("edit_"):
+        trainer.unscale_()
+        master = trainer.masters.pairs[0][1]
+        master.grad.reshape(-1)[0] = math.nan if fault == "edit_nan" else 3e19
     return trainer.step()
 
 
@@ -96,3 +101,16 @@ def test_a_gradient_whose_square_overflows_is_skipped_and_named() -> None:
     model.parameters()[1].grad.reshape(-1)[0] = 2 * NORM_LIMIT
     assert trainer.step()
     assert trainer.overflows[-1].params == (model.parameters()[1].name,)
+
+
+def test_a_gradient_written_after_unscale_is_checked_at_the_step() -> None:
+    """``unscale_(); master.grad[0, 0] = nan; step()`` wrote NaN into the weights."""
+    for preset in PRESETS:
+        model = MLP([4, 5, 3])
+        trainer = Trainer(model, SGD(lr=0.1, momentum=0.9), policy=preset)
+        assert not _step(trainer, model, "none")
+        before = _arrays(trainer)
+        assert _step(trainer, model, "edit_nan"), preset
+        after = _arrays(trainer)
+        assert all(np.array_equal(a, before[n]) for n, a in after.items()), preset
+        assert not _step(trainer, model, "none"), preset

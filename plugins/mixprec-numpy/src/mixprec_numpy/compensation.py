@@ -129,6 +129,26 @@ class Compensation:
         if self.state is not None:  # after the weights: the same stream, in parameter order
             round_state(optimizer.state, self.params, self.rng)
 
+    def check_restore(self, param: Parameter, saved: Array, compensation: Array | None) -> None:
+        """Raise :class:`~mixprec.errors.CheckpointError` where :meth:`restore` would."""
+        if self.strategy == KAHAN and param.name in self.buffers:
+            if compensation is None or compensation.shape != saved.shape:
+                raise CheckpointError(
+                    f"the checkpoint has no Kahan compensation for {param.name!r}; it was not "
+                    "saved under master=kahan"
+                )
+
+    def check_rng_state(self, state: Any) -> None:
+        """Raise :class:`~mixprec.errors.CheckpointError` unless ``state`` is a random stream
+        state this trainer's generator takes."""
+        try:
+            np.random.PCG64().state = dict(state)  # type: ignore[assignment]
+        except (TypeError, ValueError, KeyError) as err:
+            raise CheckpointError(
+                f"the checkpoint's random stream state is malformed ({err}); pass a file "
+                "that Trainer.save wrote"
+            ) from err
+
     def restore(self, param: Parameter, saved: Array, compensation: Array | None) -> None:
         """Set ``param`` from a checkpoint's float32 ``saved = w + c`` and the exact ``c``:
         ``w = nearest(saved - c)`` is the weight that was saved, bit for bit (the float32

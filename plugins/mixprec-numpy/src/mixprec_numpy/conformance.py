@@ -11,9 +11,11 @@ import io
 import numpy as np
 
 from mixprec.errors import PolicyError
+from mixprec.fp8 import MX_BLOCK
 from mixprec.policy import Policy
 from mixprec_numpy.casting import Tensor, cast
 from mixprec_numpy.devices import check_dtype, resolve_policy
+from mixprec_numpy.fp8 import quantise
 from mixprec_numpy.layers import MLP, Linear, ReLU, SoftmaxCrossEntropy, softmax
 from mixprec_numpy.optimizer import SGD
 from mixprec_numpy.trainer import Trainer
@@ -56,6 +58,16 @@ class NumpyConformanceAdapter:
 
     def make_trainer(self, policy: Policy, seed: int = 0) -> NumpyConformanceTrainer:
         return NumpyConformanceTrainer(policy, seed)
+
+    def fp8_quantise(
+        self, recipe: str, fmt: str, rows: list[list[float]], scale: float | None
+    ) -> tuple[list[list[float]], list[float]]:
+        """``rows`` in ``fmt`` under ``recipe`` along the last axis (:mod:`.fp8`)."""
+        quantised = quantise(np.array(rows, np.float32), fmt, recipe, axis=1, scale=scale)
+        scales = quantised.scale
+        if recipe == "mxfp8":  # one per element, constant over each block: its first
+            scales = scales[:, ::MX_BLOCK]
+        return quantised.q.tolist(), np.ravel(scales).tolist()
 
 
 class NumpyConformanceTrainer:

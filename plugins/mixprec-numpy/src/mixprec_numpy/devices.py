@@ -18,6 +18,7 @@ import numpy as np
 from mixprec.backend import Capabilities, DeviceCapability
 from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from mixprec.errors import UnsupportedDtypeError
+from mixprec.fp8 import FP8_RECIPES
 from mixprec.policy import Policy
 from mixprec.spec import resolve_for_device
 
@@ -29,8 +30,9 @@ DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
 
 @functools.lru_cache(maxsize=1)
 def capabilities() -> Capabilities:
-    """One device, the CPU: float32, float16 and bfloat16, none of them fast."""
-    cpu = DeviceCapability("cpu", compute_dtypes=DTYPES, fast_dtypes=())
+    """One device, the CPU: float32, float16 and bfloat16, none of them fast; every FP8
+    recipe, emulated (:mod:`mixprec_numpy.fp8`)."""
+    cpu = DeviceCapability("cpu", compute_dtypes=DTYPES, fast_dtypes=(), fp8_recipes=FP8_RECIPES)
     return Capabilities(backend="numpy", framework_version=np.__version__, devices=(cpu,))
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from mixprec.policy import Policy
 from mixprec.spec import get_policy
 from mixprec_numpy.casting import Array, Tensor, cast, float32, to
+from mixprec_numpy.fp8 import FP8Runtime, linear_backward, linear_forward
 
 __all__ = ["MLP", "Linear", "Parameter", "ReLU", "SoftmaxCrossEntropy", "softmax"]
 
@@ -46,7 +47,9 @@ class Parameter:
 
 
 class Linear:
-    """``y = x @ weight + bias`` in the dtype ``policy.decide("linear", ...)`` picks."""
+    """``y = x @ weight + bias`` in the dtype ``policy.decide("linear", ...)`` picks; where
+    the policy's ``fp8`` applies (:meth:`~mixprec.Policy.fp8_for`) as an FP8 GEMM
+    (:mod:`mixprec_numpy.fp8`) whose result is rounded to that dtype."""
 
     def __init__(
         self, in_features: int, out_features: int, *, rng: np.random.Generator, name: str = "linear"
@@ -59,22 +62,36 @@ class Linear:
             f"{name}.bias", np.zeros(out_features, np.float32), "float32", module_class="Linear"
         )
         self._saved: tuple[str, Array, Array, str] | None = None
+        self._fp8: tuple[str, FP8Runtime | None] | None = None
 
     def parameters(self) -> list[Parameter]:
         return [self.weight, self.bias]
 
-    def forward(self, x: Tensor, policy: Policy) -> Tensor:
+    def forward(self, x: Tensor, policy: Policy, fp8: FP8Runtime | None = None) -> Tensor:
+        """The layer's output; ``fp8`` carries a model's delayed FP8 scaling state."""
         dtype = policy.decide(
             "linear", (x.dtype, self.weight.dtype), module=self.name, module_class="Linear"
         ).dtype
+        recipe = policy.fp8_for(self.name, "Linear")
+        if recipe is not None:  # inputs and weights go to FP8 from their own dtype
+            x_c, w_c = float32(x.data), float32(self.weight.data)
+            self._saved, self._fp8 = (x.dtype, x_c, w_c, dtype), (recipe.name, fp8)
+            y = linear_forward(x_c, w_c, self.bias.data, recipe.name, self.name, fp8)
+            return Tensor(cast(y, dtype), dtype)
         x_c, w_c, b_c = (cast(a, dtype) for a in (x.data, self.weight.data, self.bias.data))
-        self._saved = (x.dtype, x_c, w_c, dtype)
+        self._saved, self._fp8 = (x.dtype, x_c, w_c, dtype), None
         return Tensor(cast(float32(x_c) @ float32(w_c) + float32(b_c), dtype), dtype)
 
     def backward(self, grad: Tensor) -> Tensor:
         assert self._saved is not None, "backward() before forward()"
         input_dtype, x_c, w_c, dtype = self._saved
         g = float32(cast(grad.data, dtype))
+        if self._fp8 is not None:  # FP8 GEMMs; each gradient rounded once, to its own dtype
+            recipe, runtime = self._fp8
+            grad_x, grad_w = linear_backward(g, x_c, w_c, recipe, self.name, runtime)
+            self.weight.accumulate_grad(Tensor(grad_w, "float32"))
+            self.bias.accumulate_grad(Tensor(g.sum(axis=0, dtype=np.float32), "float32"))
+            return Tensor(cast(grad_x, input_dtype), input_dtype)
         self.weight.accumulate_grad(Tensor(cast(float32(x_c).T @ g, dtype), dtype))
         self.bias.accumulate_grad(Tensor(cast(g.sum(axis=0), dtype), dtype))
         return to(Tensor(cast(g @ float32(w_c).T, dtype), dtype), input_dtype)
@@ -156,6 +173,8 @@ class MLP:
             self.layers.append(Linear(n_in, n_out, rng=rng, name=f"layers.{len(self.layers)}"))
         self.loss_fn = SoftmaxCrossEntropy()
         self.policy: Policy = get_policy("O0")
+        self.fp8: FP8Runtime | None = None
+        """The delayed FP8 scaling state of a policy with ``fp8`` (set by the Trainer)."""
         self._output_dtype = "float32"
 
     def parameters(self) -> list[Parameter]:
@@ -165,7 +184,11 @@ class MLP:
         """The logits for a batch ``x``."""
         h = Tensor(cast(x, self.policy.param), self.policy.param)
         for layer in self.layers:
-            h = layer.forward(h, self.policy)
+            h = (
+                layer.forward(h, self.policy, self.fp8)
+                if isinstance(layer, Linear)
+                else (layer.forward(h, self.policy))
+            )
         self._output_dtype = h.dtype
         return to(h, self.policy.output)
 

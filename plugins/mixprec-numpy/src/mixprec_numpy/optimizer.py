@@ -41,10 +41,25 @@ class SGD:
             p.data = cast(float32(p.data) - np.float32(self.lr) * step, p.dtype)
 
     def state_dict(self) -> dict[str, Array]:
+        """The momentum buffers, copied."""
         return {name: v.copy() for name, v in self.state.items()}
 
-    def load_state_dict(self, state: Mapping[str, Array]) -> None:
+    def check_state_dict(self, state: Mapping[str, Array]) -> None:
+        """Raise :class:`~mixprec.errors.CheckpointError` unless ``state`` is loadable: float32
+        arrays, finite (a NaN momentum would reach the weights at the next step)."""
         for name, v in state.items():
-            if v.dtype != np.float32:
-                raise CheckpointError(f"optimizer state {name!r} is {v.dtype}, not float32")
+            if not isinstance(v, np.ndarray) or v.dtype != np.float32:
+                raise CheckpointError(
+                    f"optimizer state {name!r} is {getattr(v, 'dtype', type(v).__name__)}, "
+                    "not float32"
+                )
+            if not np.isfinite(v).all():
+                raise CheckpointError(
+                    f"optimizer state {name!r} holds an inf or NaN; loaded, it would reach the "
+                    "weights at the next step"
+                )
+
+    def load_state_dict(self, state: Mapping[str, Array]) -> None:
+        """Restore :meth:`state_dict`'s output (checked whole first)."""
+        self.check_state_dict(state)
         self.state = {name: np.array(v, np.float32) for name, v in state.items()}

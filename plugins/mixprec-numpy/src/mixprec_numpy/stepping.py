@@ -3,7 +3,8 @@
 :class:`Stepping` is the part of :class:`~mixprec_numpy.trainer.Trainer` that runs every
 iteration, named and shaped like the Gluon backend's ``mixprec_mxnet.stepping``: scale the
 loss in backward, unscale into float32 master gradients while checking for inf/NaN and a
-squared gradient norm beyond float32 (:mod:`mixprec.guard`), record
+squared gradient norm beyond float32 (:mod:`mixprec.guard`; after ``unscale_`` the check
+waits for the step, so a clip or an edit in between is checked too), record
 which parameters overflowed (:func:`record_overflows`, only on a skipped step), let the
 scaler decide, step the masters or skip, copy the masters back into the model. Under a
 compensated strategy (``master=kahan|stochastic``) the step goes through
@@ -43,6 +44,7 @@ class Stepping:
     overflows: deque[OverflowRecord]
     """The :class:`mixprec.OverflowRecord` of each of the last 100 skipped steps."""
     _found_inf: bool
+    _unchecked: bool
     compensation: Compensation | None
     """The compensated strategy's state under ``master=kahan|stochastic``, else None."""
 
@@ -52,11 +54,13 @@ class Stepping:
         self.model.backward(self.scaler.scale)
 
     def unscale_(self) -> None:
-        """Divide the gradients by the loss scale now (before clipping); optional."""
+        """Divide the gradients by the loss scale now (before clipping); optional. The
+        overflow check waits for :meth:`step`, so it sees the gradients after a clip or an
+        edit made in between."""
         self.tracker.on_unscale()
-        self._unscale()
+        self._unscale(check=False)
 
-    def _unscale(self) -> None:
+    def _unscale(self, check: bool = True) -> None:
         # Unscaled float32 gradients go to the masters, which are what the optimizer steps.
         inverse = np.float32(1.0 / self.scaler.scale)
         squared = np.float32(0.0)
@@ -64,23 +68,42 @@ class Stepping:
             for param, master in self.masters.pairs:
                 if param.grad is None:
                     continue
-                grad = float32(param.grad) * inverse
-                # inf or NaN when a gradient is, or when the squared norm leaves float32
-                squared = squared + np.square(grad, dtype=np.float32).sum(dtype=np.float32)
-                master.grad = grad
+                master.grad = grad = float32(param.grad) * inverse
+                if check:  # the same pass: the check costs no second read of the gradients
+                    squared = squared + np.square(grad, dtype=np.float32).sum(dtype=np.float32)
         self._found_inf = not bool(np.isfinite(squared))
+        self._unchecked = not check
+
+    def _check(self) -> None:
+        # inf or NaN when a gradient is, or when the squared norm leaves float32
+        squared = np.float32(0.0)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for _, master in self.masters.pairs:
+                if master.grad is not None:
+                    grad = float32(master.grad)
+                    squared = squared + np.square(grad, dtype=np.float32).sum(dtype=np.float32)
+        self._found_inf = not bool(np.isfinite(squared))
+        self._unchecked = False
 
     def step(self) -> bool:
         """Unscale (unless :meth:`unscale_` ran), then step, or skip when a gradient is
-        inf/NaN or the squared gradient norm overflows float32; update the loss scale and copy
-        the masters into the model. Returns whether the step was skipped."""
+        inf/NaN or the squared gradient norm overflows float32 (checked here, after whatever
+        happened since :meth:`unscale_`); update the loss scale and copy the masters into
+        the model. Returns whether the step was skipped."""
         if self.tracker.needs_unscale:
             self._unscale()
+        elif self._unchecked:
+            self._check()
         self.tracker.on_step()
+        fp8 = self.model.fp8
+        if fp8 is not None and not fp8.finite():  # a bad batch: never into a scale
+            self._found_inf = True
         overflowing: tuple[str, ...] = ()
         if self._found_inf:  # before the update, so skip hooks can ask what overflowed
             overflowing = record_overflows(self.scaler.steps, [self])
         skipped = self.scaler.update(self._found_inf, overflowing)
+        if fp8 is not None:  # the step's amaxes enter the delayed history, unless skipped
+            fp8.settle(skipped)
         if not skipped and self.compensation is not None:
             self.compensation.update(self.optimizer, self.masters.masters())
         elif not skipped:

@@ -1,0 +1,271 @@
+"""The native CPU kernels (mixprec_torch.cpu_kernels) and their torch fallbacks.
+
+Where the kernels cannot be built (no C compiler, MIXPREC_NATIVE=0), every caller uses torch
+operations instead; these tests check that both give the same bits (the guard's pass, the
+fused compensated update, the stochastic-rounding noise), that the fused update follows
+torch's own SGD, Adam and AdamW, and that the build works from an empty cache and fails soft.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _torch_nets import TANH_X, TANH_Y, tanh_net, train_tanh  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mixprec  # noqa: E402
+from mixprec_torch import cpu_kernels, noise  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+needs_native = pytest.mark.skipif(
+    cpu_kernels.library() is None, reason=f"native kernels: {cpu_kernels.status()}"
+)
+
+
+@pytest.fixture
+def without_native(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The torch fallbacks, as on a machine without a C compiler."""
+    monkeypatch.setattr(cpu_kernels, "_state", {"lib": None, "reason": "switched off by a test"})
+    yield
+
+
+def _swap_native(off: bool) -> dict[str, object]:
+    saved = dict(cpu_kernels._state)
+    if off:
+        cpu_kernels._state.clear()
+        cpu_kernels._state.update({"lib": None, "reason": "switched off by a test"})
+    return saved
+
+
+def _run(fn: Callable[[], list[torch.Tensor]], *, off: bool) -> list[torch.Tensor]:
+    saved = _swap_native(off)
+    try:
+        return fn()
+    finally:
+        cpu_kernels._state.clear()
+        cpu_kernels._state.update(saved)
+
+
+def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        x, y = x.detach().reshape(-1), y.detach().reshape(-1)
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), i
+
+
+def _odd_net(seed: int) -> nn.Module:
+    """Weights with subnormal, tie and tiny values, sizes that no vector width divides."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(6, 37), nn.Tanh(), nn.Linear(37, 3))
+    with torch.no_grad():
+        w = net[0].weight
+        w[0, :3] = torch.tensor([1e-40, -3e-39, 2**-130])  # float32 subnormals
+        w[1, :2] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8])  # bfloat16 ties
+    return net
+
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd-momentum-wd": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-2
+    ),
+    "sgd-nesterov-maximize": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, nesterov=True, maximize=True
+    ),
+    "adam-wd": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99)),
+}
+POLICIES = [
+    "O3-bf16-kahan",
+    "O3-bf16-sr",
+    "O3-bf16-kahan,state=bfloat16",
+    "O3-bf16-sr,state=bfloat16",
+]
+
+
+def _trained(
+    policy: str, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> Callable[[], list[torch.Tensor]]:
+    def run() -> list[torch.Tensor]:
+        net = _odd_net(0)
+        model, opt = mixprec.torch.wrap(net, make(list(net.parameters())), policy=policy, seed=2)
+        train_tanh_wide(model, opt, 4)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(TANH_X).float(), TANH_Y).backward()
+        mixprec.torch.unscale_(opt)  # float32 master gradients this time
+        opt.step()
+        sd = opt.state_dict()
+        state = [v for s in sd["state"].values() for v in s.values()]
+        comp = sd["mixprec"]["compensation"]["compensation"]
+        return [*model.parameters(), *comp, *state]
+
+    return run
+
+
+def train_tanh_wide(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(TANH_X).float(), TANH_Y).backward()
+        opt.step()
+
+
+@needs_native
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("make", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
+def test_fused_update_native_and_fallback_agree_bit_for_bit(
+    policy: str, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> None:
+    run = _trained(policy, make)
+    _bits_equal(_run(run, off=False), _run(run, off=True))
+
+
+class _Generic(torch.optim.AdamW):
+    """AdamW under another class: the generic path (torch's own update on float32 masters)."""
+
+
+class _GenericSGD(torch.optim.SGD):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("fused", "generic"),
+    [
+        (OPTIMIZERS["adamw"], lambda p: _Generic(p, lr=1e-2, betas=(0.8, 0.99))),
+        (
+            OPTIMIZERS["sgd-nesterov-maximize"],
+            lambda p: _GenericSGD(p, lr=0.05, momentum=0.9, nesterov=True, maximize=True),
+        ),
+        (
+            OPTIMIZERS["sgd-momentum-wd"],
+            lambda p: _GenericSGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+        ),
+        (
+            OPTIMIZERS["adam-wd"],
+            lambda p: type("_GenericAdam", (torch.optim.Adam,), {})(p, lr=1e-2, weight_decay=1e-2),
+        ),
+    ],
+    ids=["adamw", "sgd-nesterov-maximize", "sgd-momentum-wd", "adam-wd"],
+)
+def test_the_fused_update_follows_torchs_optimizers(
+    fused: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    generic: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> None:
+    """The fused update applies torch's update rule: w + c after 10 kahan steps matches the
+    generic path (torch's own optimizer on float32 masters) to float32 rounding."""
+    results = []
+    for make in (fused, generic):
+        net = tanh_net()
+        model, opt = mixprec.torch.wrap(net, make(list(net.parameters())), policy="O3-bf16-kahan")
+        train_tanh(model, opt, 10)
+        results.append(list(model.state_dict().values()))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("policy", ["O1", "O2", "O2-bf16", "O3-bf16", "O3-bf16-kahan"])
+def test_the_guard_pass_native_and_fallback_agree(policy: str) -> None:
+    """Same unscaled gradients, masters, weights and skip decisions with the native pass
+    and with torch's kernels, a huge loss and a NaN gradient included."""
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 5))
+        model, opt = mixprec.torch.wrap(
+            net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), policy=policy
+        )
+        seen = []
+        for step in range(6):
+            opt.zero_grad()
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            loss = model(x).float().square().mean() * (1e30 if step == 2 else 1.0)
+            with mixprec.torch.scale_loss(loss, opt) as s:
+                s.backward()
+            if step == 4:
+                next(model.parameters()).grad.view(-1)[0] = float("nan")
+            if step % 2:
+                mixprec.torch.unscale_(opt)
+                seen += [p.grad.clone() for p in mixprec.torch.master_params(opt)]
+            opt.step()
+        assert mixprec.torch.state(opt).skipped_steps == 2  # the huge loss, the NaN
+        return [*seen, *model.parameters(), *mixprec.torch.master_params(opt)]
+
+    _bits_equal(_run(run, off=False), _run(run, off=True))
+
+
+@needs_native
+def test_noise_native_and_torch_agree() -> None:
+    lib = cpu_kernels.library()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        key = int(torch.randint(0, 2**62, (1,), generator=gen)) * 3
+        index = int(torch.randint(0, 10**7, (1,), generator=gen))
+        count = int(torch.randint(0, 3000, (1,), generator=gen))
+        assert torch.equal(
+            cpu_kernels.noise(lib, key, index, count), noise._noise_torch(key, index, count)
+        )
+    work = torch.randn(100_003)
+    other = work.clone()
+    noise.round_stochastic_(work, 77, index=5)
+    saved = _swap_native(True)
+    try:
+        noise.round_stochastic_(other, 77, index=5)
+    finally:
+        cpu_kernels._state.clear()
+        cpu_kernels._state.update(saved)
+    assert torch.equal(work, other)
+    assert torch.equal(work, work.to(torch.bfloat16).float())  # on the bfloat16 grid
+
+
+def test_stochastic_rounding_is_unbiased(without_native: None) -> None:
+    value = 1.0 + 2**-10  # an eighth of the way from 1 to the next bfloat16 (1 + 2**-7)
+    work = torch.full((1 << 16,), value)
+    noise.round_stochastic_(work, noise.pass_key(3, 0, 0))
+    assert set(work.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert float(work.double().mean()) == pytest.approx(
+        value, abs=4 * 2**-7 * (7 / 64 / 2**16) ** 0.5
+    )
+
+
+def test_the_kernels_build_from_an_empty_cache_and_fail_soft(tmp_path: os.PathLike[str]) -> None:
+    """A fresh cache compiles the kernels (or says why not); a missing compiler falls back
+    to torch and training still works."""
+    code = (
+        "from mixprec_torch import cpu_kernels; import sys; "
+        "print(cpu_kernels.status()); sys.exit(0 if cpu_kernels.library() is not None else 3)"
+    )
+    env = {**os.environ, "MIXPREC_CACHE_DIR": str(tmp_path)}
+    env.pop("MIXPREC_NATIVE", None)
+    built = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if built.returncode == 3:
+        pytest.skip(f"no native kernels here: {built.stdout.strip()}")
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.strip() == "in use"
+    assert list(Path(tmp_path).glob("mixprec-native-*.so"))
+
+    script = (
+        "import torch, mixprec\n"
+        "from mixprec_torch import cpu_kernels\n"
+        "net = torch.nn.Linear(4, 2)\n"
+        "model, opt = mixprec.torch.wrap(net, torch.optim.AdamW(net.parameters()), "
+        "policy='O3-bf16-kahan')\n"
+        "for _ in range(2):\n"
+        "    opt.zero_grad(); model(torch.ones(3, 4)).float().sum().backward(); opt.step()\n"
+        "print(cpu_kernels.status())\n"
+    )
+    env["CC"] = str(tmp_path / "no-such-compiler")
+    env["MIXPREC_CACHE_DIR"] = str(tmp_path / "other")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "not in use: no C compiler found" in done.stdout
