@@ -129,6 +129,20 @@ def run_case(case: Case, opts: Options) -> JobResult:
     return result
 
 
+def prepare_outputs(*paths: Path | None) -> None:
+    """Before any case runs: every output's folder exists (made if missing) and the file can
+    be written, so a run of ten minutes never ends in an ``OSError`` with its figures lost."""
+    for path in paths:
+        if path is None:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            sys.exit(f"cannot create the folder of {path}: {err}")
+        if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
+            sys.exit(f"cannot write {path}: give a file path in a writable folder")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -136,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, case in enumerate(CASES, start=1):
             print(f"{i}. {case.name:<14} {case.title}")
         return 0
+    prepare_outputs(args.json, args.markdown)
     opts = Options(
         quick=args.quick,
         repeat=args.repeat,
