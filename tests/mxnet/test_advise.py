@@ -130,3 +130,8 @@ def test_module_sensitivity_reads_blocked_bfloat16_activations() -> None:
     assert not [n for n in report.notes if "sensitivity failed" in n], report.notes
     assert report.sensitivity_policy == "O2-bf16"
     assert {s.module for s in report.sensitivity} >= {"0", "1", "3", "5"}
+    # conv 0's bias feeds BatchNorm, which cancels it: its float32 gradient is rounding noise
+    # (~1e-9), so a per-parameter relative error read 1e3 for a conv whose weight gradient
+    # is off by bfloat16 rounding; the module's gradients are compared as one vector
+    by_module = {s.module: s for s in report.sensitivity}
+    assert by_module["0"].grad_error < 0.5, by_module["0"]
