@@ -8,13 +8,12 @@ module rules keep layers out of FP8; bad input is refused before anything change
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from _fp8_tasks import one_thread  # noqa: E402, F401
 from torch import nn  # noqa: E402
 
 import mixprec  # noqa: E402
@@ -24,16 +23,6 @@ from mixprec.fp8 import BACKWARD_FORMAT, FORWARD_FORMAT, FP8_RECIPES  # noqa: E4
 from mixprec_numpy import fp8 as reference  # noqa: E402
 from mixprec_torch.fp8_linear import FP8Forward, FP8LinearFunction  # noqa: E402
 from mixprec_torch.fp8_numerics import quantise  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """One intra-op thread: the tensors are small, and on a shared CPU torch's worker threads
-    spin against other processes (the training test: 74 s with 2 threads under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _nasty(rows: int, cols: int, seed: int = 0) -> torch.Tensor:

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.nn.functional as F  # noqa: E402
+from _fp8_tasks import fit, start_and_end, teacher  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
@@ -72,23 +72,14 @@ def test_the_fp8_linear_on_the_gpu_is_close_to_the_exact_emulation(recipe: str) 
 
 def _teacher_student(policy: str, steps: int = 60) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)).to(DEV)
-    teacher.requires_grad_(False)
+    target = teacher(out=16, device=DEV)
     torch.manual_seed(1)
     student = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).to(DEV)
     optimizer = torch.optim.Adam(student.parameters(), lr=1e-2)
     student, optimizer = mpt.wrap(student, optimizer, policy=policy)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(64, 16, generator=gen).to(DEV)
-        optimizer.zero_grad()
-        loss = F.mse_loss(student(x).float(), teacher(x) * 4)
-        with mpt.scale_loss(loss, optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+    losses: list[float] = []
+    fit(student, optimizer, target, gen, steps, losses, DEV)
+    return start_and_end(losses)
 
 
 def test_every_recipe_trains_on_the_gpu_about_as_well_as_bfloat16() -> None:

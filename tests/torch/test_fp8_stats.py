@@ -16,21 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
+from _fp8_tasks import fit, one_thread, teacher  # noqa: E402, F401
 from torch import nn  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import PolicyError, WrapError  # noqa: E402
 from mixprec.fp8_stats import FP8Statistics  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """One intra-op thread: small tensors, and a shared CPU (see test_fp8_training)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _student(outlier: bool) -> nn.Module:
@@ -47,28 +39,14 @@ def _run(policy: str, steps: int, *, outlier: bool = True, stats_steps: int = 0)
     """Train the student on a teacher; the mean loss of the last 10 steps, and the
     statistics of the first ``stats_steps`` steps."""
     gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    for p in teacher.parameters():
-        p.requires_grad_(False)
+    target = teacher()
     student = _student(outlier)
     optimizer = torch.optim.Adam(student.parameters(), lr=1e-2)
     student, optimizer = mpt.wrap(student, optimizer, policy=policy)
     losses: list[float] = []
-
-    def train(n: int) -> None:
-        for _ in range(n):
-            x = torch.randn(64, 16, generator=gen)
-            optimizer.zero_grad()
-            loss = F.mse_loss(student(x).float(), teacher(x) * 4)
-            with mpt.scale_loss(loss, optimizer) as scaled:
-                scaled.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-
     with mpt.fp8_statistics(student) as stats:
-        train(stats_steps)
-    train(steps - stats_steps)
+        fit(student, optimizer, target, gen, stats_steps, losses)
+    fit(student, optimizer, target, gen, steps - stats_steps, losses)
     return sum(losses[-10:]) / 10, stats, losses
 
 

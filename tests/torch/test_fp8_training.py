@@ -16,22 +16,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.nn.functional as F  # noqa: E402
+from _fp8_tasks import fit, one_thread, start_and_end, teacher  # noqa: E402, F401
 from torch import nn  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import CheckpointError, MixprecWarning  # noqa: E402
 from mixprec.fp8 import FP8_RECIPES, tensor_scale  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """One intra-op thread: the tensors are small, and on a shared CPU torch's worker threads
-    spin against other processes (the training test: 74 s with 2 threads under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Net(nn.Module):
@@ -191,24 +181,14 @@ def _teacher_student(policy: str, steps: int) -> tuple[float, float]:
     """The mean loss of the first 5 and of the last 10 of ``steps`` steps of a student MLP
     fitting a fixed teacher on fresh batches."""
     gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    for p in teacher.parameters():
-        p.requires_grad_(False)
+    target = teacher()
     torch.manual_seed(1)
     student = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
     optimizer = torch.optim.Adam(student.parameters(), lr=1e-2)
     student, optimizer = mpt.wrap(student, optimizer, policy=policy)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(64, 16, generator=gen)
-        optimizer.zero_grad()
-        loss = F.mse_loss(student(x).float(), teacher(x) * 4)
-        with mpt.scale_loss(loss, optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+    losses: list[float] = []
+    fit(student, optimizer, target, gen, steps, losses)
+    return start_and_end(losses)
 
 
 def test_every_recipe_trains_about_as_well_as_bfloat16() -> None:
