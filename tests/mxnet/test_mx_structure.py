@@ -14,6 +14,8 @@ import ast
 import re
 from pathlib import Path
 
+from floors import floors_of
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "backends" / "mxnet"
 DOC = ROOT / "docs" / "architecture.md"
@@ -53,20 +55,7 @@ def floors() -> dict[str, int]:
 
     :raises AssertionError: naming the circle, when the imports are not a DAG.
     """
-    graph = _graph()
-    floor: dict[str, int] = {}
-
-    def visit(name: str, path: tuple[str, ...]) -> int:
-        if name in path:
-            circle = " -> ".join((*path[path.index(name) :], name))
-            raise AssertionError(f"import circle in mixprec_mxnet: {circle}")
-        if name not in floor:
-            floor[name] = 1 + max((visit(d, (*path, name)) for d in graph[name]), default=0)
-        return floor[name]
-
-    for name in graph:
-        visit(name, ())
-    return floor
+    return floors_of(_graph(), "mixprec_mxnet")
 
 
 def test_the_imports_form_a_dag_of_floors() -> None:

@@ -12,6 +12,8 @@ import ast
 import re
 from pathlib import Path
 
+from floors import floors_of
+
 ROOT = Path(__file__).resolve().parents[2]
 BACKEND = ROOT / "backends" / "torch"
 PACKAGE = "mixprec_torch"
@@ -63,20 +65,8 @@ def floors() -> dict[str, int]:
     :raises AssertionError: naming the circle, when the imports are not a DAG.
     """
     modules = _modules()
-    graph = {name: _imports(tree, set(modules) - {name}) for name, tree in modules.items()}
-    floor: dict[str, int] = {}
-
-    def visit(name: str, path: tuple[str, ...]) -> int:
-        if name in path:
-            circle = " -> ".join((*path[path.index(name) :], name))
-            raise AssertionError(f"import circle in {PACKAGE}: {circle}")
-        if name not in floor:
-            floor[name] = 1 + max((visit(d, (*path, name)) for d in graph[name]), default=0)
-        return floor[name]
-
-    for name in graph:
-        visit(name, ())
-    return floor
+    graph = {name: set(_imports(tree, set(modules) - {name})) for name, tree in modules.items()}
+    return floors_of(graph, PACKAGE)
 
 
 def test_the_backend_imports_form_a_dag_of_at_most_eight_floors() -> None:
