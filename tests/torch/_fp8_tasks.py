@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec.torch as mpt
 
-__all__ = ["fit", "one_thread", "start_and_end", "teacher"]
+__all__ = ["fit", "one_thread", "square_step", "start_and_end", "teacher"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -51,6 +51,16 @@ def fit(
             scaled.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
+
+
+def square_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    """One step of ``model`` on the loss ``mean(model(x)**2)``; the loss."""
+    optimizer.zero_grad()
+    loss = model(x).float().square().mean()
+    with mpt.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    return float(loss.detach())
 
 
 def start_and_end(losses: list[float]) -> tuple[float, float]:

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from _fp8_tasks import fit, start_and_end, teacher  # noqa: E402
+from _fp8_tasks import square_step as step  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
@@ -96,14 +97,6 @@ def test_delayed_histories_resume_bit_for_bit_on_the_gpu() -> None:
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).to(DEV)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return mpt.wrap(model, optimizer, policy="O2-fp8,fp8=delayed(history=4)")  # type: ignore[no-any-return]
-
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> float:
-        optimizer.zero_grad()
-        loss = model(x).float().square().mean()
-        with mpt.scale_loss(loss, optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-        return float(loss.detach())
 
     gen = torch.Generator().manual_seed(7)
     batches = [(torch.randn(32, 16, generator=gen) * (1 + i)).to(DEV) for i in range(8)]

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from _fp8_tasks import fit, one_thread, start_and_end, teacher  # noqa: E402, F401
+from _fp8_tasks import square_step as _step  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
@@ -44,15 +45,6 @@ def _wrapped(policy: str, seed: int = 0) -> tuple[Net, torch.optim.Optimizer]:
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return mpt.wrap(model, optimizer, policy=policy)  # type: ignore[no-any-return]
-
-
-def _step(model: Net, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> float:
-    optimizer.zero_grad()
-    loss = model(x).float().square().mean()
-    with mpt.scale_loss(loss, optimizer) as scaled:
-        scaled.backward()
-    optimizer.step()
-    return float(loss.detach())
 
 
 def _layers(model: nn.Module) -> Any:
