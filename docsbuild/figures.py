@@ -43,7 +43,7 @@ def loss_scale_trace(
     the backward pass in float16 would. ``interval`` is shortened from the default 2000 so
     that a few growth/backoff cycles fit in the picture.
     """
-    from mixprec.loss_scale import DynamicScale
+    from mixprec.kit import DynamicScale
 
     rng = random.Random(seed)
     state = DynamicScale(init=2.0**16, interval=interval)

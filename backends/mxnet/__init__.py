@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mixprec.lazy import lazy_exports
+from mixprec.kit import lazy_exports
 
 __all__ = [
     "MixprecState",
@@ -84,7 +84,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mixprec.scaler import MixprecState
+    from mixprec.kit import MixprecState
 
     from .advisor import advise
     from .clipping import clip_global_norm

@@ -48,8 +48,8 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 from mxnet.symbol import Symbol
 
-from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import StepOrderError, WrapError
+from mixprec.kit import BFLOAT16, FLOAT32, is_low_precision
 
 from .dtypes import cast, dtype_name, mx_dtype
 from .gluon_private import compose, consume_fresh_grad, has_fresh_grad, has_grad

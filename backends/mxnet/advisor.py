@@ -23,10 +23,15 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from mixprec.advice import AdviceReport, ModuleSensitivity
-from mixprec.advisor import RSS_MEASURE, AdviceError, run_advice
-from mixprec.backend import Capabilities
-from mixprec.dtypes import FLOAT32
+from mixprec.kit import (
+    FLOAT32,
+    RSS_MEASURE,
+    AdviceError,
+    AdviceReport,
+    Capabilities,
+    ModuleSensitivity,
+    run_advice,
+)
 
 from .devices import capabilities, device_key
 from .diagnostics import underflow_fraction

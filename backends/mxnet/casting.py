@@ -36,9 +36,8 @@ from mxnet import autograd, gluon
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import MixprecWarning, WrapError
-from mixprec.policy import Policy
+from mixprec.kit import BFLOAT16, FLOAT32, Policy, is_low_precision
 
 from .dtypes import cast, default_layout, dtype_name, mx_dtype
 from .gluon_private import children, clear_cached_graph, is_active, own_params, replace_param_data

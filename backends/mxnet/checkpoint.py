@@ -27,8 +27,8 @@ from typing import Any
 import mxnet as mx
 from mxnet import gluon, nd
 
-from mixprec.atomic import atomic_path
 from mixprec.errors import CheckpointError
+from mixprec.kit import atomic_path
 
 from .dtypes import cast_into
 from .trainer_state import TrainerState, float32_value, named_params

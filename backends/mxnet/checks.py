@@ -10,9 +10,8 @@ from typing import Any
 
 from mxnet import gluon
 
-from mixprec.dtypes import BFLOAT16, is_low_precision
 from mixprec.errors import MixprecWarning, WrapError
-from mixprec.policy import Policy
+from mixprec.kit import BFLOAT16, Policy, is_low_precision
 
 from .dtypes import dtype_name
 from .gluon_private import dense_embedding_grad, is_deferred, is_sparse

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from mxnet import nd
 
-from mixprec.step import Stage
+from mixprec.kit import Stage
 
 from .dtypes import cast
 

@@ -43,9 +43,8 @@ import numpy as np
 import numpy.typing as npt
 from mxnet import gluon, nd
 
-from mixprec.compensated import KAHAN
-from mixprec.dtypes import BFLOAT16, FLOAT32
 from mixprec.errors import CheckpointError
+from mixprec.kit import BFLOAT16, FLOAT32, KAHAN
 
 from .dtypes import cast, cast_into, dtype_name
 

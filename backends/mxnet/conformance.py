@@ -18,9 +18,8 @@ from typing import Any
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from mixprec.dtypes import FLOAT32, canonical_dtype
 from mixprec.errors import MixprecError
-from mixprec.policy import Policy
+from mixprec.kit import FLOAT32, Policy, canonical_dtype
 
 from .devices import check_policy_dtypes
 from .dtypes import cast, dtype_name

@@ -18,10 +18,8 @@ from typing import Any
 import mxnet as mx
 from mxnet.contrib.amp.lists import symbol_bf16, symbol_fp16
 
-from mixprec.dtypes import BFLOAT16, FLOAT16, canonical_dtype, is_low_precision
 from mixprec.errors import PolicyError
-from mixprec.policy import Policy
-from mixprec.spec import get_policy
+from mixprec.kit import BFLOAT16, FLOAT16, Policy, canonical_dtype, get_policy, is_low_precision
 
 from .devices import device_key
 from .dtypes import dtype_name

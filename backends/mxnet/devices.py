@@ -17,11 +17,18 @@ from typing import Any
 
 import mxnet as mx
 
-from mixprec.backend import Capabilities, DeviceCapability
-from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import PolicyError, UnsupportedDtypeError
-from mixprec.policy import Policy
-from mixprec.spec import get_policy, resolve_for_device
+from mixprec.kit import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    Capabilities,
+    DeviceCapability,
+    Policy,
+    get_policy,
+    is_low_precision,
+    resolve_for_device,
+)
 
 from .kernels import bf16_cpu_is_fast
 

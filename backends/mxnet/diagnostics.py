@@ -20,17 +20,19 @@ from typing import Any
 
 from mxnet import gluon, nd
 
-from mixprec.diagnostics import (
+from mixprec.errors import WrapError
+from mixprec.kit import (
+    BFLOAT16,
+    FLOAT32,
     ModuleDtypes,
     OverflowRecord,
+    Policy,
+    Stage,
     dtype_rows,
     format_dtype_report,
+    is_low_precision,
     underflow_threshold,
 )
-from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
-from mixprec.errors import WrapError
-from mixprec.policy import Policy
-from mixprec.step import Stage
 
 from . import checkpoint
 from .casting import BlockSite, needs_fp32_params, plan_net

@@ -57,8 +57,8 @@ from typing import Any
 import mxnet as mx
 from mxnet import nd
 
-from mixprec.dtypes import BFLOAT16
 from mixprec.errors import UnsupportedDtypeError, WrapError
+from mixprec.kit import BFLOAT16
 
 from .dtypes import dtype_name
 from .gluon_private import is_deferred

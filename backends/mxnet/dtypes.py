@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from mxnet import nd
 
-from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32, canonical_dtype
+from mixprec.kit import BFLOAT16, FLOAT16, FLOAT32, canonical_dtype
 
 from .gluon_private import type_code
 

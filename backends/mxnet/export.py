@@ -26,9 +26,8 @@ from typing import Any
 import mxnet as mx
 from mxnet import gluon, nd
 
-from mixprec.atomic import atomic_path, atomic_write_text
-from mixprec.dtypes import FLOAT32, is_low_precision
 from mixprec.errors import CheckpointError
+from mixprec.kit import FLOAT32, atomic_path, atomic_write_text, is_low_precision
 
 from .checkpoint import save_arrays
 from .dtypes import mx_dtype

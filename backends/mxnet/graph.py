@@ -27,10 +27,8 @@ from mxnet import gluon
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from mixprec.decision import module_rule
-from mixprec.dtypes import FLOAT32, is_floating
 from mixprec.errors import MixprecWarning, WrapError
-from mixprec.policy import Policy
+from mixprec.kit import FLOAT32, Policy, is_floating, module_rule
 
 from .accumulation import protect_accumulation
 from .dtypes import dtype_name, mx_dtype, mx_type_code

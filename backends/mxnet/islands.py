@@ -41,7 +41,7 @@ from mxnet import gluon
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from mixprec.dtypes import FLOAT32, is_low_precision
+from mixprec.kit import FLOAT32, is_low_precision
 
 from .dtypes import cast, dtype_name, mx_dtype
 

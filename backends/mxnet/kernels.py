@@ -42,8 +42,8 @@ from typing import Any
 import mxnet as mx
 from mxnet import autograd, nd
 
-from mixprec.dtypes import BFLOAT16
 from mixprec.errors import MixprecWarning
+from mixprec.kit import BFLOAT16
 
 from .dtypes import BFLOAT16_NP
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from mxnet import gluon
 
-from mixprec.scaler import MixprecState
+from mixprec.kit import MixprecState
 
 from .trainer import Trainer
 

@@ -20,10 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from mxnet import gluon, nd
 
-from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import StepOrderError, WrapError
-from mixprec.lint import check_scaler_without_masters
-from mixprec.masters import MasterWeights
+from mixprec.kit import (
+    BFLOAT16,
+    FLOAT32,
+    MasterWeights,
+    check_scaler_without_masters,
+    is_low_precision,
+)
 
 from . import distributed
 from .accumulation import Accumulation
@@ -33,7 +37,7 @@ from .dtypes import cast, cast_into, default_layout, dtype_name, mx_dtype
 from .gluon_private import init_from, is_deferred, params_with_prefix
 
 if TYPE_CHECKING:
-    from mixprec.policy import Policy
+    from mixprec.kit import Policy
 
 __all__ = ["BROADCAST_KEY_BASE", "MasterSetup"]
 

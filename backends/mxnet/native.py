@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from mxnet.contrib.amp.lists import symbol_bf16, symbol_fp16
 
-from mixprec.backend import NativeDtypes
-from mixprec.dtypes import BFLOAT16, FLOAT32
 from mixprec.errors import BackendNotAvailable
+from mixprec.kit import BFLOAT16, FLOAT32, NativeDtypes
 
 from .ops import FAMILY_OPS, NativeOp
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 from mxnet.contrib.amp.lists import symbol_bf16, symbol_fp16
 
-from mixprec.dtypes import BFLOAT16
-from mixprec.policy import Policy
+from mixprec.kit import BFLOAT16, Policy
 
 from .kernels import missing_bf16_cpu_ops
 

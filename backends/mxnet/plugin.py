@@ -6,9 +6,7 @@ imports :mod:`mixprec_mxnet` (which imports MXNet) only when the backend is firs
 
 from __future__ import annotations
 
-from mixprec.backend import BackendInfo, NativeDtypes
-from mixprec.hookspecs import hookimpl
-from mixprec.plugins import load_backend
+from mixprec.kit import BackendInfo, NativeDtypes, hookimpl, load_backend
 
 __all__ = ["mixprec_native_dtypes", "mixprec_register_backends"]
 

@@ -24,10 +24,8 @@ from typing import Any
 import numpy.typing as npt
 from mxnet import nd
 
-from mixprec.atomic import atomic_path
 from mixprec.errors import CheckpointError, MixprecError, MixprecWarning
-from mixprec.policy import Policy
-from mixprec.scaler import LossScaler
+from mixprec.kit import LossScaler, Policy, atomic_path
 
 from .checkpoint import save_arrays
 from .gluon_private import set_update_counts

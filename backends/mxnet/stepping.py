@@ -29,12 +29,8 @@ from typing import Any
 
 from mxnet import gluon, nd
 
-from mixprec.diagnostics import OverflowRecord
-from mixprec.dtypes import FLOAT32
 from mixprec.errors import WrapError
-from mixprec.guard import NORM_LIMIT
-from mixprec.scaler import LossScaler
-from mixprec.step import Stage, StepTracker
+from mixprec.kit import FLOAT32, NORM_LIMIT, LossScaler, OverflowRecord, Stage, StepTracker
 
 from . import distributed
 from .dtypes import cast, cast_into, mx_dtype

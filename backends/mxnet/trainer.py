@@ -28,15 +28,20 @@ from typing import Any
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from mixprec.compensated import check_seed
-from mixprec.dtypes import BFLOAT16, FLOAT32, is_low_precision
 from mixprec.errors import MixprecWarning, WrapError
-from mixprec.guard import StepGuard
-from mixprec.lint import check_adam_eps
-from mixprec.masters import MasterWeights
-from mixprec.policy import Policy
-from mixprec.scaler import LossScaler, ScalerCounters
-from mixprec.step import StepTracker
+from mixprec.kit import (
+    BFLOAT16,
+    FLOAT32,
+    LossScaler,
+    MasterWeights,
+    Policy,
+    ScalerCounters,
+    StepGuard,
+    StepTracker,
+    check_adam_eps,
+    check_seed,
+    is_low_precision,
+)
 
 from . import checkpoint, optimizers, states  # noqa: F401 - optimizers registers "adamw"
 from .accumulation import Accumulation, check_grad_req, install_zero_grad

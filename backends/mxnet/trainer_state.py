@@ -13,15 +13,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import mxnet as mx
 from mxnet import gluon, nd
 
-from mixprec.dtypes import FLOAT32
+from mixprec.kit import FLOAT32
 
 from .dtypes import cast
 from .gluon_private import params_with_prefix
 
 if TYPE_CHECKING:
-    from mixprec.masters import MasterWeights
-    from mixprec.policy import Policy
-    from mixprec.scaler import LossScaler
+    from mixprec.kit import LossScaler, MasterWeights, Policy
 
     from .compensation import Compensation
 

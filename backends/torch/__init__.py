@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mixprec.lazy import lazy_exports
+from mixprec.kit import lazy_exports
 
 __all__ = [
     "AveragedModel",
@@ -95,7 +95,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mixprec.scaler import MixprecState
+    from mixprec.kit import MixprecState
     from mixprec_torch.advisor import advise
     from mixprec_torch.averaging import AveragedModel, ema
     from mixprec_torch.checkpoint import save

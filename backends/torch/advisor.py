@@ -17,13 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.advice import AdviceReport, ModuleSensitivity
-from mixprec.advisor import RSS_MEASURE, AdviceError, run_advice
-from mixprec.backend import Capabilities
-from mixprec.fp8 import FP8_RECIPES
-from mixprec.fp8_stats import FP8Statistics
-from mixprec.scaler import LossScaler
-from mixprec.spec import get_policy
+from mixprec.kit import (
+    FP8_RECIPES,
+    RSS_MEASURE,
+    AdviceError,
+    AdviceReport,
+    Capabilities,
+    FP8Statistics,
+    LossScaler,
+    ModuleSensitivity,
+    get_policy,
+    run_advice,
+)
 
 from .devices import capabilities, device_key
 from .diagnostics import underflow_fraction

@@ -21,13 +21,16 @@ from typing import Any
 
 import torch
 
-from mixprec.dtypes import is_low_precision
 from mixprec.errors import CheckpointError, MixprecWarning, PolicyError, WrapError
-from mixprec.grammar import format_loss_scale
-from mixprec.loss_scale import DynamicScale, NoScale
-from mixprec.policy import Policy
-from mixprec.scaler import LossScaler
-from mixprec.step import Stage
+from mixprec.kit import (
+    DynamicScale,
+    LossScaler,
+    NoScale,
+    Policy,
+    Stage,
+    format_loss_scale,
+    is_low_precision,
+)
 
 from .apex_functions import (
     apply_registered,

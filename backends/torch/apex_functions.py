@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from mixprec.errors import PolicyError
-from mixprec.policy import Policy
+from mixprec.kit import Policy
 
 from . import autocast as _autocast
 from .regions import current, suspended

@@ -9,11 +9,16 @@ import dataclasses
 import math
 from typing import Any
 
-from mixprec.dtypes import is_low_precision
 from mixprec.errors import PolicyError
-from mixprec.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
-from mixprec.policy import Policy
-from mixprec.spec import get_policy
+from mixprec.kit import (
+    DynamicScale,
+    LossScaleConfig,
+    NoScale,
+    Policy,
+    StaticScale,
+    get_policy,
+    is_low_precision,
+)
 
 from .dtypes import dtype_name
 

@@ -49,9 +49,8 @@ from typing import Any
 
 import torch
 
-from mixprec.dtypes import is_low_precision
 from mixprec.errors import PolicyError
-from mixprec.policy import Policy
+from mixprec.kit import Policy, is_low_precision
 
 from .aten import aten_ops
 from .decisions import DTYPE_BITS, DecisionContext, Decisions, InputKey

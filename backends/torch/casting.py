@@ -40,8 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.dtypes import is_low_precision
-from mixprec.policy import Policy
+from mixprec.kit import Policy, is_low_precision
 
 from .autocast import DecisionContext, OpCasting
 from .boundaries import EntryHooks, ModuleForward, hooks_local, open_region, undo

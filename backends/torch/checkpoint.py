@@ -28,11 +28,8 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from mixprec.atomic import atomic_path
 from mixprec.errors import CheckpointError, MixprecError, MixprecWarning, WrapError
-from mixprec.masters import MasterWeights
-from mixprec.policy import Policy
-from mixprec.scaler import LossScaler
+from mixprec.kit import LossScaler, MasterWeights, Policy, atomic_path
 
 from .copies import CopyOnly
 from .optimizer_state import StepCompensation, base_class

@@ -48,8 +48,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from mixprec.compensated import KAHAN, STOCHASTIC
 from mixprec.errors import CheckpointError
+from mixprec.kit import KAHAN, STOCHASTIC
 
 from .fused_update import KAHAN as FUSED_KAHAN
 from .fused_update import STOCHASTIC as FUSED_STOCHASTIC

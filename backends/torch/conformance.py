@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UnsupportedDtypeError
-from mixprec.fp8 import MX_BLOCK
-from mixprec.policy import Policy
+from mixprec.kit import MX_BLOCK, Policy
 
 from .autocast import OpCasting, region
 from .devices import capabilities

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import PolicyError
-from mixprec.policy import Policy
+from mixprec.kit import Policy
 
 from .dtypes import FLOATING, dtype_name, torch_dtype
 

@@ -36,8 +36,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.backend import Capabilities, DeviceCapability
-from mixprec.fp8 import FP8_RECIPES
+from mixprec.kit import FP8_RECIPES, Capabilities, DeviceCapability
 
 from .torch_private import onednn_runs_bfloat16
 

@@ -20,15 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics import (
+from mixprec.errors import WrapError
+from mixprec.kit import (
+    NORM_LIMIT,
     ModuleDtypes,
     OverflowRecord,
     dtype_rows,
     format_dtype_report,
     underflow_threshold,
 )
-from mixprec.errors import WrapError
-from mixprec.guard import NORM_LIMIT
 
 from .dtypes import dtype_name
 from .optimizer_state import OptimizerState, WrapGroup, optimizer_state

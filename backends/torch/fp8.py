@@ -26,9 +26,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import CheckpointError, UnsupportedDtypeError, WrapError
-from mixprec.fp8 import ROLE_FORMATS, ROLES, FP8Recipe
-from mixprec.fp8_scaling import DelayedScaling
-from mixprec.policy import Policy
+from mixprec.kit import ROLE_FORMATS, ROLES, DelayedScaling, FP8Recipe, Policy
 
 from .copies import CopyOnly
 from .devices import device_capability

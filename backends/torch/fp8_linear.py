@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8 import BACKWARD_FORMAT, FORWARD_FORMAT
+from mixprec.kit import BACKWARD_FORMAT, FORWARD_FORMAT
 
 from .copies import CopyOnly
 from .fp8_numerics import Quantised, quantise, quantise_tensor, scaled_gemm

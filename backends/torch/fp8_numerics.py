@@ -21,8 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mixprec.dtypes import format_info
-from mixprec.fp8 import MX_BLOCK
+from mixprec.kit import MX_BLOCK, format_info
 
 from .torch_private import has_scaled_mm, scaled_mm
 

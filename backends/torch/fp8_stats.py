@@ -20,11 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.dtypes import format_info
 from mixprec.errors import WrapError
-from mixprec.fp8 import FP8_RECIPES, ROLE_FORMATS, FP8Recipe
-from mixprec.fp8_scaling import DelayedScaling
-from mixprec.fp8_stats import FP8Statistics
+from mixprec.kit import (
+    FP8_RECIPES,
+    ROLE_FORMATS,
+    DelayedScaling,
+    FP8Recipe,
+    FP8Statistics,
+    format_info,
+)
 
 from .fp8_numerics import dequantise, quantise
 

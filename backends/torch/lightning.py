@@ -52,13 +52,17 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
-from mixprec.dtypes import BFLOAT16, is_low_precision
 from mixprec.errors import CheckpointError, MixprecError, MixprecWarning, StepOrderError, WrapError
-from mixprec.loss_scale import NoScale
-from mixprec.policy import Policy
-from mixprec.scaler import LossScaler, MixprecState
-from mixprec.spec import get_policy
-from mixprec.step import Stage
+from mixprec.kit import (
+    BFLOAT16,
+    LossScaler,
+    MixprecState,
+    NoScale,
+    Policy,
+    Stage,
+    get_policy,
+    is_low_precision,
+)
 
 from .autocast import region
 from .loop import master_params, state, unscale_

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import StepOrderError, WrapError
-from mixprec.scaler import MixprecState
+from mixprec.kit import MixprecState
 
 from .model_edits import expose_unscaled_grads
 from .optimizer_state import OptimizerState, optimizer_state

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mixprec.backend import NativeDtypes
 from mixprec.errors import BackendNotAvailable
+from mixprec.kit import NativeDtypes
 
 from . import torch_private
 from .dtypes import dtype_name, torch_dtype

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mixprec.ops import OP_FAMILIES
+from mixprec.kit import OP_FAMILIES
 
 __all__ = ["ATEN_OPS", "NORM_ARGS", "TORCH_OPS", "supported_ops"]
 

@@ -18,12 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from mixprec.diagnostics import OverflowRecord
 from mixprec.errors import WrapError
-from mixprec.masters import MasterWeights
-from mixprec.policy import Policy
-from mixprec.scaler import LossScaler
-from mixprec.step import StepTracker
+from mixprec.kit import LossScaler, MasterWeights, OverflowRecord, Policy, StepTracker
 
 __all__ = [
     "OptimizerState",

@@ -12,9 +12,8 @@ from typing import NoReturn
 import torch
 from torch import nn
 
-from mixprec.dtypes import is_low_precision
 from mixprec.errors import WrapError
-from mixprec.policy import Policy
+from mixprec.kit import Policy, is_low_precision
 
 from .dtypes import FLOATING, torch_dtype
 from .sites import ModuleSite

@@ -32,10 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.dtypes import FLOAT32, is_low_precision
 from mixprec.errors import MixprecWarning, UnsupportedDtypeError, WrapError
-from mixprec.lint import check_adam_eps, check_scaler_without_masters
-from mixprec.policy import Policy
+from mixprec.kit import (
+    FLOAT32,
+    Policy,
+    check_adam_eps,
+    check_scaler_without_masters,
+    is_low_precision,
+)
 
 from .autocast import OpCasting
 from .casting import ModelCasting

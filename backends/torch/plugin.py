@@ -9,9 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mixprec.backend import BackendInfo, NativeDtypes
-from mixprec.hookspecs import hookimpl
-from mixprec.plugins import load_backend
+from mixprec.kit import BackendInfo, NativeDtypes, hookimpl, load_backend
 
 
 @hookimpl

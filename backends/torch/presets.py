@@ -34,9 +34,7 @@ wherever autocast itself runs).
 
 from __future__ import annotations
 
-from mixprec.loss_scale import DynamicScale
-from mixprec.ops import OP_FAMILIES
-from mixprec.policy import OpRules, Policy
+from mixprec.kit import OP_FAMILIES, DynamicScale, OpRules, Policy
 
 __all__ = ["AUTOCAST_LISTS", "torch_autocast_policy", "torch_autocast_presets"]
 

@@ -51,9 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.dtypes import widest
 from mixprec.errors import PolicyError, WrapError
-from mixprec.spec import get_policy
+from mixprec.kit import get_policy, widest
 
 from .dtypes import torch_dtype
 from .sites import plan_model
@@ -61,7 +60,7 @@ from .sites import plan_model
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from mixprec.policy import Policy
+    from mixprec.kit import Policy
 
 __all__ = [
     "check_fsdp_policy",

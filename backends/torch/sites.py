@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mixprec.errors import WrapError
-from mixprec.policy import Policy
+from mixprec.kit import Policy
 
 __all__ = ["ModuleSite", "class_names", "plan_model"]
 

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import StepOrderError
-from mixprec.step import Stage
+from mixprec.kit import Stage
 
 from . import cpu_kernels
 from .diagnostics import record_overflows

@@ -24,12 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.compensated import check_seed
-from mixprec.dtypes import FLOAT32
-from mixprec.guard import StepGuard
-from mixprec.masters import MasterWeights
-from mixprec.scaler import LossScaler
-from mixprec.spec import resolve_for_device
+from mixprec.kit import (
+    FLOAT32,
+    LossScaler,
+    MasterWeights,
+    StepGuard,
+    check_seed,
+    resolve_for_device,
+)
 
 from .casting import ModelCasting
 from .checkpoint import ModelCheckpoint

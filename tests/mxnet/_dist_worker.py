@@ -32,7 +32,7 @@ from mxnet.contrib import amp
 import mixprec.mxnet
 from mixprec import get_policy
 from mixprec.errors import MixprecWarning
-from mixprec.scaler import LossScaler
+from mixprec.kit import LossScaler
 from mixprec_mxnet.distributed import all_reduce_found_inf, init_kvstore_eagerly
 from mixprec_mxnet.kernels import Bf16IslandWarning, missing_bf16_cpu_ops
 

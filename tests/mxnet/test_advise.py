@@ -19,7 +19,7 @@ from mxnet import gluon  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.mxnet as mpx  # noqa: E402
-from mixprec.advisor import AdviceError  # noqa: E402
+from mixprec.kit import AdviceError  # noqa: E402
 
 
 class Cancelling(gluon.HybridBlock):

@@ -26,7 +26,7 @@ from mxnet import autograd, gluon, nd  # noqa: E402
 
 import mixprec.mxnet as mpx  # noqa: E402
 from mixprec import StepGuard  # noqa: E402
-from mixprec.guard import NORM_LIMIT, RepeatedSkipWarning  # noqa: E402
+from mixprec.kit import NORM_LIMIT, RepeatedSkipWarning  # noqa: E402
 
 SKIPPED = ("loss_inf", "loss_nan", "loss_huge", "grad_inf", "grad_nan", "grad_huge", "input_nan")
 FAULTS = ("none", *SKIPPED, "input_huge")

@@ -12,7 +12,7 @@ from _mx_nets import batch, bf16_computes, cnn  # noqa: E402
 from mxnet import autograd, gluon, nd  # noqa: E402
 
 from mixprec.errors import MixprecWarning, PolicyError, WrapError  # noqa: E402
-from mixprec.spec import get_policy  # noqa: E402
+from mixprec.kit import get_policy  # noqa: E402
 from mixprec_mxnet.conformance import MXNetAdapter, run_op  # noqa: E402
 from mixprec_mxnet.dtypes import dtype_of  # noqa: E402
 from mixprec_mxnet.graph import install_graph_pass, node_dtypes  # noqa: E402

@@ -21,7 +21,7 @@ from mixprec.errors import (  # noqa: E402
     UnsupportedDtypeError,
     WrapError,
 )
-from mixprec.loss_scale import DynamicScale  # noqa: E402
+from mixprec.kit import DynamicScale  # noqa: E402
 from mixprec_mxnet import Trainer, state  # noqa: E402
 from mixprec_mxnet.dtypes import dtype_of  # noqa: E402
 from mixprec_mxnet.kernels import Bf16IslandWarning  # noqa: E402

@@ -9,8 +9,7 @@ import pytest
 
 from mixprec import plugins
 from mixprec.errors import UnsupportedDtypeError
-from mixprec.hookspecs import hookimpl
-from mixprec.policy import Policy
+from mixprec.kit import Policy, hookimpl
 
 
 class Observer:

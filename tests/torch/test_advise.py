@@ -19,8 +19,8 @@ from torch import nn  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
-from mixprec.advisor import AdviceError  # noqa: E402
 from mixprec.cli import main  # noqa: E402
+from mixprec.kit import AdviceError  # noqa: E402
 
 
 class FragileNorm(nn.Module):

@@ -25,7 +25,7 @@ from torch import nn  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 from mixprec import DynamicScale, StepGuard  # noqa: E402
 from mixprec.errors import LossScaleError, MixprecWarning  # noqa: E402
-from mixprec.guard import NORM_LIMIT, RepeatedSkipWarning  # noqa: E402
+from mixprec.kit import NORM_LIMIT, RepeatedSkipWarning  # noqa: E402
 
 #: Faults a step can carry; the first ones must be skipped whatever the policy. The
 #: ``edit_*`` ones are written after ``unscale_()``, into a master gradient or (``model``)

@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import PolicyError, WrapError  # noqa: E402
-from mixprec.fp8 import BACKWARD_FORMAT, FORWARD_FORMAT, FP8_RECIPES  # noqa: E402
+from mixprec.kit import BACKWARD_FORMAT, FORWARD_FORMAT, FP8_RECIPES  # noqa: E402
 from mixprec_numpy import fp8 as reference  # noqa: E402
 from mixprec_torch.fp8_linear import FP8Forward, FP8LinearFunction  # noqa: E402
 from mixprec_torch.fp8_numerics import quantise  # noqa: E402

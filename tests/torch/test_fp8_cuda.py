@@ -21,7 +21,7 @@ from _fp8_tasks import square_step as step  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
-from mixprec.fp8 import FP8_RECIPES  # noqa: E402
+from mixprec.kit import FP8_RECIPES  # noqa: E402
 from mixprec_torch.fp8_linear import FP8LinearFunction  # noqa: E402
 from mixprec_torch.fp8_numerics import native_gemms, quantise  # noqa: E402
 

@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import PolicyError, WrapError  # noqa: E402
-from mixprec.fp8_stats import FP8Statistics  # noqa: E402
+from mixprec.kit import FP8Statistics  # noqa: E402
 
 
 def _student(outlier: bool) -> nn.Module:

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 import mixprec_torch  # noqa: E402
-from mixprec.backend import BackendInfo  # noqa: E402
+from mixprec.kit import BackendInfo  # noqa: E402
 from mixprec.testing import ConformanceAdapter  # noqa: E402
 
 pytestmark = pytest.mark.torch

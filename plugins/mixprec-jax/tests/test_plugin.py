@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import mixprec
-from mixprec.plugins import list_backends
+from mixprec.kit import list_backends
 
 
 def test_registered_under_the_mixprec_group_and_reached_through_the_facade() -> None:

@@ -17,8 +17,7 @@ from tests._models import batch, loss_fn, params
 
 import mixprec
 import mixprec.jax as mpj
-from mixprec.loss_scale import DynamicScale
-from mixprec.traced_scale import ScaleState, next_scale
+from mixprec.kit import DynamicScale, ScaleState, next_scale
 
 configs = st.builds(
     DynamicScale,

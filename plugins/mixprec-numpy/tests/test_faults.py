@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec import StepGuard
-from mixprec.guard import NORM_LIMIT, RepeatedSkipWarning
+from mixprec.kit import NORM_LIMIT, RepeatedSkipWarning
 from mixprec_numpy import MLP, SGD, Trainer, state
 
 #: ``edit_*``: written into a master gradient after ``unscale_()`` (issue 21)

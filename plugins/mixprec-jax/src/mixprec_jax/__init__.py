@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mixprec.lazy import lazy_exports
+from mixprec.kit import lazy_exports
 
 __version__ = "0.1.0"
 

@@ -12,8 +12,8 @@ from typing import Any, TypeAlias
 import jax
 import jax.numpy as jnp
 
-from mixprec.dtypes import canonical_dtype
 from mixprec.errors import UnsupportedDtypeError
+from mixprec.kit import canonical_dtype
 
 __all__ = [
     "JAX_DTYPES",

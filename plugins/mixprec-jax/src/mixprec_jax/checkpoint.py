@@ -21,9 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
-from mixprec.atomic import atomic_path
 from mixprec.errors import CheckpointError
-from mixprec.policy import Policy
+from mixprec.kit import Policy, atomic_path
 from mixprec_jax.casting import PyTree
 from mixprec_jax.state import State
 from mixprec_jax.trees import leaf_names

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mixprec.compensated import KAHAN, STOCHASTIC
+from mixprec.kit import KAHAN, STOCHASTIC
 from mixprec_jax.casting import PyTree
 
 __all__ = [

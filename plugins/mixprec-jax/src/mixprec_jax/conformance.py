@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from mixprec.errors import PolicyError
-from mixprec.policy import Policy
+from mixprec.kit import Policy
 from mixprec_jax import intercept
 from mixprec_jax.casting import PyTree, cast, cast_floating, dtype_name, jax_dtype
 from mixprec_jax.devices import check_dtype, resolve_policy

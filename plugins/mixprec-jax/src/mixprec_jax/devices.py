@@ -16,13 +16,19 @@ import functools
 
 import jax
 
-from mixprec.backend import Capabilities, DeviceCapability, UnseenOp
-from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from mixprec.errors import UnsupportedDtypeError
-from mixprec.policy import Policy
-from mixprec.spec import resolve_for_device
-from mixprec.traced_scale import check_traceable
-from mixprec.visibility import check_rules_visible
+from mixprec.kit import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    Capabilities,
+    DeviceCapability,
+    Policy,
+    UnseenOp,
+    check_rules_visible,
+    check_traceable,
+    resolve_for_device,
+)
 
 __all__ = [
     "UNSEEN_OPS",

@@ -13,9 +13,7 @@ from typing import Any
 
 import jax
 
-from mixprec.diagnostics import dtype_rows, format_dtype_report
-from mixprec.policy import Policy
-from mixprec.visibility import unseen_notes
+from mixprec.kit import Policy, dtype_rows, format_dtype_report, unseen_notes
 from mixprec_jax.casting import PyTree, dtype_name
 from mixprec_jax.devices import capabilities
 from mixprec_jax.intercept import FUNCTION_FAMILIES, MODULE_FAMILIES

@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-from mixprec.policy import Policy
+from mixprec.kit import Policy
 from mixprec_jax.casting import cast, dtype_name, is_floating, jax_dtype
 
 __all__ = [

@@ -22,11 +22,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mixprec.compensated import KAHAN, STOCHASTIC, check_seed
 from mixprec.errors import WrapError
-from mixprec.lint import check_scaler_without_masters
-from mixprec.policy import Policy
-from mixprec.traced_scale import initial_scale
+from mixprec.kit import (
+    KAHAN,
+    STOCHASTIC,
+    Policy,
+    check_scaler_without_masters,
+    check_seed,
+    initial_scale,
+)
 from mixprec_jax import checkpoint, compensation, diagnostics
 from mixprec_jax.casting import PyTree, cast, to_float32
 from mixprec_jax.devices import resolve_policy

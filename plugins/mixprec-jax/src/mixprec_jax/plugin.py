@@ -6,8 +6,7 @@ lives in :mod:`mixprec_jax`, which mixprec imports on first use.
 
 from __future__ import annotations
 
-from mixprec.backend import BackendInfo
-from mixprec.hookspecs import hookimpl
+from mixprec.kit import BackendInfo, hookimpl
 
 __all__ = ["mixprec_register_backends"]
 

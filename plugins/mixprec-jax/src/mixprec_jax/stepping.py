@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from mixprec.errors import WrapError
-from mixprec.traced_scale import ScaleState, next_scale
+from mixprec.kit import ScaleState, next_scale
 from mixprec_jax import compensation
 from mixprec_jax.casting import PyTree, cast, cast_floating, dtype_name, is_floating, to_float32
 from mixprec_jax.intercept import policy_scope

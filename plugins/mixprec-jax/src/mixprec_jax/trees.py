@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from mixprec.errors import WrapError
-from mixprec.policy import Policy
+from mixprec.kit import Policy
 from mixprec_jax.casting import PyTree, is_floating
 
 __all__ = ["Modules", "has_class_pins", "leaf_names", "module_of", "param_dtypes"]

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mixprec.compensated import KAHAN, STOCHASTIC
 from mixprec.errors import CheckpointError
+from mixprec.kit import KAHAN, STOCHASTIC
 from mixprec_numpy.casting import Array, float32, round_to_bfloat16
 from mixprec_numpy.layers import Parameter
 

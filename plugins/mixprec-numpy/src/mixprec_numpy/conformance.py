@@ -11,8 +11,7 @@ import io
 import numpy as np
 
 from mixprec.errors import PolicyError
-from mixprec.fp8 import MX_BLOCK
-from mixprec.policy import Policy
+from mixprec.kit import MX_BLOCK, Policy
 from mixprec_numpy.casting import Tensor, cast
 from mixprec_numpy.devices import check_dtype, resolve_policy
 from mixprec_numpy.fp8 import quantise

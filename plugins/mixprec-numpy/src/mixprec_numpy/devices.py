@@ -15,12 +15,17 @@ import functools
 
 import numpy as np
 
-from mixprec.backend import Capabilities, DeviceCapability
-from mixprec.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from mixprec.errors import UnsupportedDtypeError
-from mixprec.fp8 import FP8_RECIPES
-from mixprec.policy import Policy
-from mixprec.spec import resolve_for_device
+from mixprec.kit import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    FP8_RECIPES,
+    Capabilities,
+    DeviceCapability,
+    Policy,
+    resolve_for_device,
+)
 
 __all__ = ["DTYPES", "capabilities", "check_dtype", "resolve_policy"]
 

@@ -27,9 +27,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mixprec.dtypes import format_info
-from mixprec.fp8 import BACKWARD_FORMAT, FORWARD_FORMAT, MX_BLOCK, FP8Recipe
-from mixprec.fp8_scaling import DelayedScaling
+from mixprec.kit import (
+    BACKWARD_FORMAT,
+    FORWARD_FORMAT,
+    MX_BLOCK,
+    DelayedScaling,
+    FP8Recipe,
+    format_info,
+)
 from mixprec_numpy.casting import Array, float32
 
 __all__ = [

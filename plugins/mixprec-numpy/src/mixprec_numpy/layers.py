@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mixprec.policy import Policy
-from mixprec.spec import get_policy
+from mixprec.kit import Policy, get_policy
 from mixprec_numpy.casting import Array, Tensor, cast, float32, to
 from mixprec_numpy.fp8 import FP8Runtime, linear_backward, linear_forward
 

@@ -6,7 +6,7 @@ against ``mixprec.torch`` or ``mixprec.mxnet`` reads the same here.
 
 from __future__ import annotations
 
-from mixprec.scaler import MixprecState
+from mixprec.kit import MixprecState
 from mixprec_numpy.layers import Parameter
 from mixprec_numpy.trainer import Trainer
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mixprec.backend import NativeDtypes
 from mixprec.errors import BackendNotAvailable
+from mixprec.kit import NativeDtypes
 from mixprec_numpy.casting import Array
 
 __all__ = ["NATIVE_CALLS", "native_dtypes"]

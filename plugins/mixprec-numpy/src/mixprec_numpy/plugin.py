@@ -6,9 +6,7 @@ does lives in :mod:`mixprec_numpy`, which mixprec imports on first use.
 
 from __future__ import annotations
 
-from mixprec.backend import BackendInfo, NativeDtypes
-from mixprec.hookspecs import hookimpl
-from mixprec.plugins import load_backend
+from mixprec.kit import BackendInfo, NativeDtypes, hookimpl, load_backend
 
 __all__ = ["mixprec_native_dtypes", "mixprec_register_backends"]
 

@@ -18,10 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mixprec.diagnostics import OverflowRecord
-from mixprec.masters import MasterWeights
-from mixprec.scaler import LossScaler
-from mixprec.step import StepTracker
+from mixprec.kit import LossScaler, MasterWeights, OverflowRecord, StepTracker
 from mixprec_numpy.casting import cast, float32
 from mixprec_numpy.compensation import Compensation
 from mixprec_numpy.layers import MLP, Parameter

@@ -25,16 +25,19 @@ from typing import IO, Any
 
 import numpy as np
 
-from mixprec.atomic import atomic_write_bytes
-from mixprec.compensated import check_seed
-from mixprec.dtypes import is_low_precision
 from mixprec.errors import CheckpointError, MixprecError
-from mixprec.guard import StepGuard
-from mixprec.lint import check_scaler_without_masters
-from mixprec.masters import MasterWeights
-from mixprec.policy import Policy
-from mixprec.scaler import LossScaler, ScalerCounters
-from mixprec.step import StepTracker
+from mixprec.kit import (
+    LossScaler,
+    MasterWeights,
+    Policy,
+    ScalerCounters,
+    StepGuard,
+    StepTracker,
+    atomic_write_bytes,
+    check_scaler_without_masters,
+    check_seed,
+    is_low_precision,
+)
 from mixprec_numpy.casting import Array, cast, float32
 from mixprec_numpy.compensation import Compensation
 from mixprec_numpy.devices import resolve_policy
