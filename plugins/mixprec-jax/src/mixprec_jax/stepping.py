@@ -14,22 +14,33 @@ Nothing here branches on a value: a skipped step selects the old state leaf by l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from mixprec.errors import WrapError
-from mixprec.kit import ScaleState, next_scale
+from mixprec.kit import Policy, ScaleState, next_scale
 from mixprec_jax import compensation
 from mixprec_jax.casting import PyTree, cast, cast_floating, dtype_name, is_floating, to_float32
 from mixprec_jax.intercept import policy_scope
 from mixprec_jax.state import ScaleArrays, State, StepInfo
 from mixprec_jax.trees import Modules, has_class_pins, leaf_names, param_dtypes
 
-if TYPE_CHECKING:
-    from mixprec_jax.optimizer import Optimizer
+
+class Optimizer(Protocol):
+    """What a step needs of :class:`mixprec_jax.Optimizer` (which calls into this module, so
+    it is typed here structurally rather than imported: no import circle)."""
+
+    policy: Policy
+    tx: optax.GradientTransformation
+    modules: Modules | None
+    seen_modules: Modules | None
+
+    def check_stored_dtypes(self, state: State, dtypes: list[str], modules: Modules | None) -> None:
+        """Refuse a state whose stored dtypes do not match the policy's."""
+
 
 __all__ = ["LossFn", "build_step", "forward_params", "working_values"]
 
