@@ -194,14 +194,22 @@ class Optimizer:
     # ------------------------------------------------------------------ files and reports
 
     def save(self, file: str | IO[bytes], state: State) -> None:
-        """Write ``state`` (every array, exactly) and the policy to one ``.npz`` file."""
+        """Write ``state`` (every array, exactly), the policy and SHA-256 checksums to one
+        ``.npz`` file, atomically (a crash mid-save leaves the previous file)."""
         checkpoint.save(file, state, self.policy)
 
     def load(self, file: str | IO[bytes], like: State) -> State:
         """The state :meth:`save` wrote, shaped like ``like`` (``opt.init(params)``).
 
-        :raises CheckpointError: another policy, or arrays that do not match ``like``;
-            nothing is returned half-loaded.
+        The file is read as untrusted data (:mod:`mixprec_jax.checkpoint`): sizes are
+        checked before anything is inflated, the checksums, the policy and every array's
+        name, shape and dtype before the state is built, and inf/NaN values are refused.
+        Files written before the checksums (format ``mixprec-jax/1``) still load.
+
+        :raises CheckpointError: another policy, arrays that do not match ``like``, inf or
+            NaN values, or a file that is not a checkpoint of this plugin (named when it is
+            a Gluon, PyTorch, pickle or ``.npy`` file) or is empty, truncated, oversized or
+            damaged; nothing is returned half-loaded.
         """
         return checkpoint.load(file, like, self.policy)
 
