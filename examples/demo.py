@@ -117,7 +117,7 @@ def run_mxnet(policy: str) -> Result:
 
     import mixprec.mxnet as mpx
     from mixprec.errors import MixprecError
-    from mixprec_mxnet.kernels import Bf16IslandWarning, missing_bf16_cpu_ops
+    from mixprec_mxnet.bf16_kernels import Bf16IslandWarning, missing_bf16_cpu_ops
 
     mx.random.seed(0)
     xtr, ytr, xte, yte = digits()

@@ -16,23 +16,23 @@ mixprec, for bfloat16 too), the net's inputs and outputs, and keep BatchNorm flo
 ``net.save_parameters`` keeps writing float32. On CPU, MXNet computes in bfloat16 (oneDNN)
 but not in float16: a float16 policy is refused there.
 
-Modules (named as in the PyTorch backend where they share a job): :mod:`.trainer` (the
-Trainer: construction and user API), :mod:`.stepping` (its step), :mod:`.masters` (its float32
-masters and initial broadcast),
-:mod:`.loop` (``scale_loss(loss, trainer)``, ``unscale_(trainer)`` and the other loop
-functions, torch-shaped),
-:mod:`.clipping` (``clip_global_norm`` over every context), :mod:`.accumulation`
-(``grad_req='add'`` and ``zero_grad``), :mod:`.ownership` (one Trainer per net),
-:mod:`.casting` (parameter, boundary and island casting), :mod:`.graph` (O1: the graph
-pass), :mod:`.ops` (neutral families to MXNet op names), :mod:`.checkpoint`,
-:mod:`.devices` (``capabilities()``: a module named ``capabilities`` would shadow the
-function once imported), :mod:`.dtypes`, :mod:`.distributed` (kvstore ``dist_sync``),
+Modules, grouped into wings by job and named as in the PyTorch backend where they share one
+(``docs/architecture.md``, "The Gluon backend", maps them). At the top: :mod:`.trainer` (the
+Trainer: construction and user API), :mod:`.stepping` (its step), :mod:`.loop`
+(``scale_loss(loss, trainer)``, ``unscale_(trainer)`` and the other loop functions,
+torch-shaped), :mod:`.clipping` (``clip_global_norm`` over every context),
 :mod:`.diagnostics` (``dtype_report``, ``overflowing_params``, ``underflow_fraction``),
-:mod:`.kernels` (which ops have a bfloat16 CPU kernel here, probed once),
-:mod:`.islands` (O2/O3 float32 islands around ops without one), :mod:`.native` (what
-MXNet's own AMP lists do with each op, for the lockfile), :mod:`.gluon_private` (every
-private MXNet name used, with its reason), :mod:`.conformance`, :mod:`.advisor` (``advise``)
-and :mod:`.plugin` (the entry point, which never imports MXNet).
+:mod:`.conformance`, :mod:`.advisor` (``advise``) and :mod:`.plugin` (the entry point, which
+never imports MXNet); beneath them :mod:`.devices` (``capabilities()``: a module named
+``capabilities`` would shadow the function once imported), :mod:`.ops` (neutral families to
+MXNet op names), :mod:`.bf16_kernels` (which ops have a bfloat16 CPU kernel here, probed
+once), :mod:`.dtypes` and :mod:`.gluon_private` (every private MXNet name used, with its
+reason). The wings: :mod:`.wrapping` (the net's conversion: refusals, casts, float32 islands,
+masters, one Trainer per net, export), :mod:`.step` (the step's data and parts:
+``grad_req='add'``, the kvstore, BatchNorm statistics, checkpoints), :mod:`.o1` (the graph
+pass, and what MXNet's own AMP lists do with each op, for the lockfile),
+:mod:`.compensated` (``master=kahan|stochastic``) and :mod:`.integrations`
+(``mxnet.contrib.amp``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ __all__ = [
 _LAZY = {
     "Trainer": "mixprec_mxnet.trainer",
     "advise": "mixprec_mxnet.advisor",
-    "MixprecState": "mixprec.scaler",
+    "MixprecState": "mixprec.kit",
     "master_params": "mixprec_mxnet.loop",
     "resolve_policy": "mixprec_mxnet.devices",
     "scale_loss": "mixprec_mxnet.loop",
@@ -73,7 +73,7 @@ _LAZY = {
     "unscale": "mixprec_mxnet.loop",
     "unscale_": "mixprec_mxnet.loop",
     "capabilities": "mixprec_mxnet.devices",
-    "native_dtypes": "mixprec_mxnet.native",
+    "native_dtypes": "mixprec_mxnet.o1.framework_amp",
     "cast": "mixprec_mxnet.dtypes",
     "clip_global_norm": "mixprec_mxnet.clipping",
     "conformance_adapter": "mixprec_mxnet.conformance",
@@ -98,7 +98,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .dtypes import cast
     from .loop import master_params, scale_loss, state, unscale, unscale_
-    from .native import native_dtypes
+    from .o1.framework_amp import native_dtypes
     from .trainer import Trainer
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

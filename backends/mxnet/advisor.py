@@ -222,7 +222,7 @@ def advise(
 
     The other parameters are those of ``mixprec.torch.advise``.
 
-    :returns: an :class:`~mixprec.advice.AdviceReport`; ``report.recommended`` is the policy.
+    :returns: an :class:`~mixprec.kit.AdviceReport`; ``report.recommended`` is the policy.
     :raises AdviceError: bad arguments, before anything runs.
     """
     if not isinstance(net, gluon.Block):

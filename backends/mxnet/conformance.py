@@ -24,10 +24,10 @@ from mixprec.kit import FLOAT32, Policy, canonical_dtype
 from .devices import check_policy_dtypes
 from .dtypes import cast, dtype_name
 from .gluon_private import cached_graph, params_with_prefix
-from .graph import install_graph_pass, node_dtypes
-from .islands import install_op_islands
+from .o1.graph import install_graph_pass, node_dtypes
 from .ops import FAMILY_OPS, island_families, supported_families, unsupported_natives
 from .trainer import Trainer
+from .wrapping.islands import install_op_islands
 
 __all__ = ["OP_CASES", "MXNetAdapter", "MXNetConformanceTrainer", "conformance_adapter", "run_op"]
 

@@ -2,7 +2,7 @@
 
 MXNet 1.9 runs bfloat16 ``FullyConnected`` and ``Convolution`` on CPU through oneDNN (on an
 AVX512-BF16 CPU: about 2.2-2.4x faster than float32 forward, 1.7-1.8x forward+backward; on a
-CPU without AVX512 oneDNN has no such kernel at all, which :mod:`.kernels` probes once per
+CPU without AVX512 oneDNN has no such kernel at all, which :mod:`.bf16_kernels` probes once per
 process) but has no float16 GEMM or convolution on CPU at all; GPUs compute in float16
 (MXNet 1.9 has no bfloat16 GPU kernels). Many other CPU ops take bfloat16 through slow
 generic kernels (``relu``, ``sigmoid``, element-wise ``+``, ``BatchNorm``: 5-10x slower than
@@ -30,7 +30,7 @@ from mixprec.kit import (
     resolve_for_device,
 )
 
-from .kernels import bf16_cpu_is_fast
+from .bf16_kernels import bf16_cpu_is_fast
 
 __all__ = ["capabilities", "check_policy_dtypes", "device_key", "has_onednn", "resolve_policy"]
 

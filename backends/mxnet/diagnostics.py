@@ -34,15 +34,15 @@ from mixprec.kit import (
     underflow_threshold,
 )
 
-from . import checkpoint
-from .casting import BlockSite, needs_fp32_params, plan_net
 from .dtypes import cast, dtype_name
 from .gluon_private import own_params
-from .islands import block_natives
 from .ops import unsupported_natives
+from .step import checkpoint
 from .stepping import named_pairs, overflow_log, record_overflows
-from .symbol_blocks import FP32_PARAM_OPS, graph_ops
 from .trainer import Trainer
+from .wrapping.casting import BlockSite, needs_fp32_params, plan_net
+from .wrapping.islands import block_natives
+from .wrapping.symbol_blocks import FP32_PARAM_OPS, graph_ops
 
 __all__ = [
     "dtype_report",

@@ -21,7 +21,7 @@ from mxnet.contrib.amp.lists import symbol_bf16, symbol_fp16
 
 from mixprec.kit import BFLOAT16, Policy
 
-from .kernels import missing_bf16_cpu_ops
+from .bf16_kernels import missing_bf16_cpu_ops
 
 __all__ = [
     "FAMILY_OPS",
@@ -154,7 +154,7 @@ def native_name(op: str) -> str:
 
 def island_natives(compute: str, device: str) -> frozenset[str]:
     """Native ops whose ``compute`` kernel is missing on this machine's ``device`` (probed:
-    :func:`mixprec_mxnet.kernels.missing_bf16_cpu_ops`): they run as float32 islands."""
+    :func:`mixprec_mxnet.bf16_kernels.missing_bf16_cpu_ops`): they run as float32 islands."""
     if compute == BFLOAT16 and device == "cpu":
         return missing_bf16_cpu_ops()
     return frozenset()

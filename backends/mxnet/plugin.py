@@ -28,7 +28,7 @@ def mixprec_register_backends() -> list[BackendInfo]:
 @hookimpl
 def mixprec_native_dtypes(backend: str, device: str, compute: str) -> NativeDtypes | None:
     """Where ``mxnet.contrib.amp``'s own lists put each op, for the precision lockfile (see
-    :mod:`mixprec_mxnet.native`)."""
+    :mod:`mixprec_mxnet.o1.framework_amp`)."""
     if backend != "mxnet":
         return None
     answer: NativeDtypes = load_backend("mxnet").native_dtypes(device, compute)

@@ -7,8 +7,8 @@ gradients and summed over contexts and workers in the policy's ``reduce`` dtype)
 machine; then the optimizer on the masters with ``1/scale`` and ``1/batch_size`` folded
 into ``rescale_grad``, and the masters cast back into the model, or a skip that leaves
 weights and optimizer state untouched). Under ``master=kahan|stochastic`` the update runs
-on float32 working values that :mod:`.compensation` fills before it and rounds back into
-the bfloat16 weights after it.
+on float32 working values that :mod:`~.compensated.compensation` fills before it and rounds
+back into the bfloat16 weights after it.
 
 Cost per step beyond ``gluon.Trainer``'s update, for O2 with float32 masters: one
 ``amp_cast`` per gradient (model -> master), one ``dot`` per gradient (its squared norm, for
@@ -32,12 +32,12 @@ from mxnet import gluon, nd
 from mixprec.errors import WrapError
 from mixprec.kit import FLOAT32, NORM_LIMIT, LossScaler, OverflowRecord, Stage, StepTracker
 
-from . import distributed
 from .dtypes import cast, cast_into, mx_dtype
 from .gluon_private import consume_fresh_grad, has_fresh_grad
-from .masters import MasterSetup
-from .running_stats import RunningStats
-from .trainer_state import names_by_id
+from .step import distributed
+from .step.running_stats import RunningStats
+from .step.trainer_state import names_by_id
+from .wrapping.masters import MasterSetup
 
 __all__ = [
     "KEPT_OVERFLOWS",

@@ -11,9 +11,9 @@
 
 The class is assembled from one module per job: this one builds the trainer, converts the
 net and offers ``scale_loss``, the scaler's counters and the checkpoint methods;
-:mod:`.masters` makes the float32 masters, casts the parameters and broadcasts the initial
+:mod:`~.wrapping.masters` makes the float32 masters, casts the parameters and broadcasts the initial
 weights; :mod:`.stepping` runs ``step`` (``allreduce_grads`` + ``update``: unscale, overflow
-check, skip or update) and :mod:`.checkpoint` saves and loads. The scale the state machine
+check, skip or update) and :mod:`~.step.checkpoint` saves and loads. The scale the state machine
 returns is used by the very next ``scale_loss``. For clipping: ``allreduce_grads()``,
 ``unscale()``, clip ``trainer.master_grads()``, ``update(batch_size)``.
 """
@@ -43,10 +43,22 @@ from mixprec.kit import (
     is_low_precision,
 )
 
-from . import checkpoint, optimizers, states  # noqa: F401 - optimizers registers "adamw"
-from .accumulation import Accumulation, check_grad_req, install_zero_grad
-from .casting import convert_net, param_dtypes
-from .checks import (
+from .compensated.compensation import Compensation
+from .devices import device_key, resolve_policy
+from .gluon_private import (
+    clear_cached_graph,
+    deferred_state,
+    finish_deferred_init,
+    is_deferred,
+    restore_deferred_state,
+)
+from .o1.graph import blocks_of
+from .step import checkpoint, optimizers, states  # noqa: F401 - optimizers registers "adamw"
+from .step.accumulation import Accumulation, check_grad_req, install_zero_grad
+from .step.running_stats import RunningStats
+from .stepping import Stepping
+from .wrapping.casting import convert_net, param_dtypes
+from .wrapping.checks import (
     check_dense,
     check_parameters,
     check_shaped,
@@ -56,22 +68,10 @@ from .checks import (
     sparse_embeddings,
     warn_params_only,
 )
-from .compensation import Compensation
-from .devices import device_key, resolve_policy
-from .export import patch_export
-from .gluon_private import (
-    clear_cached_graph,
-    deferred_state,
-    finish_deferred_init,
-    is_deferred,
-    restore_deferred_state,
-)
-from .graph import blocks_of
-from .islands import unconverted
-from .ownership import Snapshot, check_unclaimed, claim
-from .running_stats import RunningStats
-from .stepping import Stepping
-from .symbol_blocks import check_not_amp_converted
+from .wrapping.export import patch_export
+from .wrapping.islands import unconverted
+from .wrapping.ownership import Snapshot, check_unclaimed, claim
+from .wrapping.symbol_blocks import check_not_amp_converted
 
 __all__ = ["Trainer"]
 

@@ -13,8 +13,8 @@
             autograd.backward(scaled)
     trainer.step(x.shape[0])
 
-The code lives beside the Gluon backend (``mixprec_mxnet.contrib_amp`` and
-``mixprec_mxnet.contrib_amp_lists``) and is imported here, so ``import mixprec`` never
+The code lives beside the Gluon backend (``mixprec_mxnet.integrations.contrib_amp`` and
+``mixprec_mxnet.integrations.contrib_amp_lists``) and is imported here, so ``import mixprec`` never
 imports MXNet while ``import mixprec.compat.mxnet_amp`` does. Without MXNet, importing this
 module raises :class:`~mixprec.errors.BackendNotAvailable` naming the extra to install.
 What differs from MXNet is listed in ``docs/migration.md``.
@@ -51,7 +51,7 @@ __all__ = [
 load_backend("mxnet")  # BackendNotAvailable naming mixprec[mxnet] when MXNet is missing
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mixprec_mxnet.contrib_amp import (
+    from mixprec_mxnet.integrations.contrib_amp import (
         convert_bucketing_module,
         convert_hybrid_block,
         convert_model,
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
         scale_loss,
         unscale,
     )
-    from mixprec_mxnet.contrib_amp_lists import (
+    from mixprec_mxnet.integrations.contrib_amp_lists import (
         current_policy,
         init,
         list_conditional_fp32_ops,
@@ -74,8 +74,8 @@ if TYPE_CHECKING:  # pragma: no cover
         list_widest_type_cast,
     )
 else:
-    _training = importlib.import_module("mixprec_mxnet.contrib_amp")
-    _lists = importlib.import_module("mixprec_mxnet.contrib_amp_lists")
+    _training = importlib.import_module("mixprec_mxnet.integrations.contrib_amp")
+    _lists = importlib.import_module("mixprec_mxnet.integrations.contrib_amp_lists")
     for _name in __all__:
         globals()[_name] = getattr(_training if hasattr(_training, _name) else _lists, _name)
     del _name

@@ -7,7 +7,7 @@ variables of a worker set. POLICY is a preset with a bf16 compute dtype (``O1-bf
 - ``gluon``: a plain ``gluon.Trainer`` (``update_on_kvstore=False``) on a net converted by
   MXNet AMP to POLICY's compute dtype (O1-style only), driven by hand the way mixprec's
   Trainer drives it, with a ``LossScaler`` holding POLICY's loss scale and the two functions of
-  ``mixprec_mxnet.distributed``. The overflow check runs on the *local*
+  ``mixprec_mxnet.step.distributed``. The overflow check runs on the *local*
   gradients before the reduce, so only the all-reduced flag can make the clean worker skip.
 - ``mixprec``: ``mixprec.mxnet.Trainer`` under POLICY, as a user writes it.
 
@@ -33,8 +33,8 @@ import mixprec.mxnet
 from mixprec import get_policy
 from mixprec.errors import MixprecWarning
 from mixprec.kit import LossScaler
-from mixprec_mxnet.distributed import all_reduce_found_inf, init_kvstore_eagerly
-from mixprec_mxnet.kernels import Bf16IslandWarning, missing_bf16_cpu_ops
+from mixprec_mxnet.bf16_kernels import Bf16IslandWarning, missing_bf16_cpu_ops
+from mixprec_mxnet.step.distributed import all_reduce_found_inf, init_kvstore_eagerly
 
 STEPS = 4
 INJECT_STEP = 1
@@ -86,7 +86,7 @@ def _without_missing_kernels(target: str) -> dict[str, Any]:
 
 
 class GluonLoop:
-    """gluon.Trainer + mixprec_mxnet.distributed, stepped the way mixprec's Trainer steps."""
+    """gluon.Trainer + mixprec_mxnet.step.distributed, stepped the way mixprec's Trainer steps."""
 
     def __init__(self, net: gluon.HybridBlock, kvstore: Any, policy_spec: str) -> None:
         policy = get_policy(policy_spec, loss_scale=LOSS_SCALE)

@@ -10,9 +10,9 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon, nd
 
+from mixprec_mxnet.bf16_kernels import missing_bf16_cpu_ops
 from mixprec_mxnet.dtypes import cast
-from mixprec_mxnet.kernels import missing_bf16_cpu_ops
-from mixprec_mxnet.state_files import META
+from mixprec_mxnet.step.state_files import META
 
 
 def bf16_computes(op: str) -> str:

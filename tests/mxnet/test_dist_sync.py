@@ -3,7 +3,7 @@
 The cluster tests start a real parameter-server cluster on 127.0.0.1 (a scheduler, one
 server, two workers running ``_dist_worker.py``), bounded in time and always cleaned up,
 and compare what each worker wrote. Each runs with a plain ``gluon.Trainer`` driven through
-``mixprec_mxnet.distributed`` (the mechanism alone) and with ``mixprec.mxnet.Trainer`` (what
+``mixprec_mxnet.step.distributed`` (the mechanism alone) and with ``mixprec.mxnet.Trainer`` (what
 users run) under O1-bf16 and O2-bf16, always with an explicit dynamic loss scale. The
 in-process tests cover the helpers' single-process behaviour and their refusals.
 """
@@ -26,7 +26,7 @@ mx = pytest.importorskip("mxnet")
 np = pytest.importorskip("numpy")
 
 from mixprec.errors import UnsupportedDtypeError, WrapError  # noqa: E402
-from mixprec_mxnet.distributed import (  # noqa: E402
+from mixprec_mxnet.step.distributed import (  # noqa: E402
     FOUND_INF_KEY,
     all_reduce_found_inf,
     init_kvstore_eagerly,

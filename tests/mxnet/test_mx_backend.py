@@ -11,10 +11,10 @@ mx = pytest.importorskip("mxnet")
 
 import mixprec  # noqa: E402
 import mixprec_mxnet  # noqa: E402
+from mixprec.engine.plugins import backend_info, load_backend  # noqa: E402
 from mixprec.kit import get_policy  # noqa: E402
-from mixprec.plugins import backend_info, load_backend  # noqa: E402
 from mixprec.testing.protocol import ConformanceAdapter, ConformanceTrainer  # noqa: E402
-from mixprec_mxnet.kernels import bf16_cpu_is_fast, missing_bf16_cpu_ops  # noqa: E402
+from mixprec_mxnet.bf16_kernels import bf16_cpu_is_fast, missing_bf16_cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 

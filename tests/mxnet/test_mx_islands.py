@@ -1,5 +1,6 @@
 """float32 islands in bfloat16 nets: BatchNorm islands (where oneDNN can fuse the casts), and
-single ops without a bfloat16 kernel on this CPU (the probe in :mod:`mixprec_mxnet.kernels`)."""
+single ops without a bfloat16 kernel on this CPU (the probe in
+:mod:`mixprec_mxnet.bf16_kernels`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from _mx_nets import batch, bf16_computes, cnn, mlp, train_step  # noqa: E402
 from mxnet import autograd, gluon, nd  # noqa: E402
 
 import mixprec.mxnet as mpx  # noqa: E402
+from mixprec_mxnet.bf16_kernels import missing_bf16_cpu_ops  # noqa: E402
 from mixprec_mxnet.dtypes import dtype_of  # noqa: E402
-from mixprec_mxnet.graph import node_dtypes  # noqa: E402
-from mixprec_mxnet.kernels import missing_bf16_cpu_ops  # noqa: E402
+from mixprec_mxnet.o1.graph import node_dtypes  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 

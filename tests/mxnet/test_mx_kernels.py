@@ -1,4 +1,4 @@
-"""The bfloat16 kernel probe (:mod:`mixprec_mxnet.kernels`): its verdict is what really happens
+"""The bfloat16 kernel probe (:mod:`mixprec_mxnet.bf16_kernels`): its verdict is what really happens
 when each op runs in bfloat16 on this CPU, and ``auto`` picks bfloat16 only where it is fast.
 
 Every expectation here depends on the CPU (``cpu_isa``): on an AVX512 machine
@@ -25,14 +25,14 @@ from mxnet import autograd, gluon, nd  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.mxnet as mpx  # noqa: E402
-from mixprec_mxnet.dtypes import cast  # noqa: E402
-from mixprec_mxnet.kernels import (  # noqa: E402
+from mixprec_mxnet.bf16_kernels import (  # noqa: E402
     GEMM_OPS,
     PROBED_OPS,
     Bf16IslandWarning,
     bf16_cpu_is_fast,
     missing_bf16_cpu_ops,
 )
+from mixprec_mxnet.dtypes import cast  # noqa: E402
 
 pytestmark = [pytest.mark.mxnet, pytest.mark.cpu_isa]
 
@@ -126,7 +126,7 @@ import warnings
 import mxnet as mx
 from mxnet import gluon
 import mixprec.mxnet as mpx
-from mixprec_mxnet.kernels import Bf16IslandWarning, bf16_cpu_is_fast, missing_bf16_cpu_ops
+from mixprec_mxnet.bf16_kernels import Bf16IslandWarning, bf16_cpu_is_fast, missing_bf16_cpu_ops
 assert missing_bf16_cpu_ops() == frozenset(), missing_bf16_cpu_ops()
 assert not bf16_cpu_is_fast()
 assert mpx.capabilities().preferred_lowp("cpu") is None

@@ -15,7 +15,7 @@ from mixprec.errors import MixprecWarning, PolicyError, WrapError  # noqa: E402
 from mixprec.kit import get_policy  # noqa: E402
 from mixprec_mxnet.conformance import MXNetAdapter, run_op  # noqa: E402
 from mixprec_mxnet.dtypes import dtype_of  # noqa: E402
-from mixprec_mxnet.graph import install_graph_pass, node_dtypes  # noqa: E402
+from mixprec_mxnet.o1.graph import install_graph_pass, node_dtypes  # noqa: E402
 from mixprec_mxnet.ops import amp_lists, family_of, supported_families  # noqa: E402
 
 pytestmark = pytest.mark.mxnet

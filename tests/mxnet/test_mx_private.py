@@ -16,7 +16,7 @@ from mxnet import gluon, nd  # noqa: E402
 
 from mixprec_mxnet import gluon_private  # noqa: E402
 from mixprec_mxnet.dtypes import BFLOAT16_NP  # noqa: E402
-from mixprec_mxnet.graph import node_dtypes  # noqa: E402
+from mixprec_mxnet.o1.graph import node_dtypes  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 

@@ -1,11 +1,13 @@
 """The Gluon backend's shape: its imports form a DAG of floors (every import counts: module
 level, inside functions, under ``TYPE_CHECKING``), within the package they are relative and at
-module level, and the module table in docs/architecture.md lists exactly the files there are,
-each on its floor.
+module level, the wings' ``__init__.py`` hold a docstring only, and the module table in
+docs/architecture.md lists exactly the files there are, each on its floor.
 
-Read from the source (no MXNet needed). The trainer once imported checkpoint, export and
-stepping, which imported it (or checkpoint) back under ``TYPE_CHECKING``; they now read the
-Trainer through the data-only ``trainer_state.py``, as the torch backend's ``optimizer_state.py``.
+Read from the source (no MXNet needed). Modules are named by their path in the package
+(``step/checkpoint``); the wings (``o1/``, ``step/``, ``wrapping/``...) are subpackages.
+The trainer once imported checkpoint, export and stepping, which imported it (or checkpoint)
+back under ``TYPE_CHECKING``; they now read the Trainer through the data-only
+``step/trainer_state.py``, as the torch backend's ``step/optimizer_state.py``.
 """
 
 from __future__ import annotations
@@ -22,29 +24,53 @@ DOC = ROOT / "docs" / "architecture.md"
 MAX_FLOORS = 12
 
 
+def _key(path: Path) -> str:
+    """A module's name in the package, by its path: ``trainer``, ``step/checkpoint``."""
+    return path.relative_to(PACKAGE).with_suffix("").as_posix()
+
+
+def _wing_inits() -> list[Path]:
+    return sorted(PACKAGE.glob("*/__init__.py"))
+
+
 def _modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text(encoding="utf-8")) for p in PACKAGE.glob("*.py")}
+    """Every module but the wings' docstring-only ``__init__.py``."""
+    inits = set(_wing_inits())
+    return {
+        _key(p): ast.parse(p.read_text(encoding="utf-8"))
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p not in inits
+    }
 
 
-def _siblings(node: ast.ImportFrom) -> list[str]:
-    """The sibling modules a relative ``from . import x`` / ``from .x import y`` names."""
-    if node.level != 1:
+def _siblings(name: str, node: ast.ImportFrom, modules: set[str]) -> list[str]:
+    """The package's modules a relative ``from .x import y`` / ``from ..w import x`` in module
+    ``name`` names (a wing's ``__init__`` is never one: it holds a docstring only)."""
+    if node.level == 0:
         return []
-    if node.module:
-        return [node.module.split(".")[0]]
-    return [alias.name for alias in node.names]
+    package = name.split("/")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    target = base + (node.module.split(".") if node.module else [])
+    if "/".join(target) in modules:
+        return ["/".join(target)]
+    return [
+        "/".join([*target, alias.name])
+        for alias in node.names
+        if "/".join([*target, alias.name]) in modules
+    ]
 
 
 def _graph() -> dict[str, set[str]]:
-    """Each module -> the sibling modules it imports anywhere (any import statement)."""
+    """Each module -> the package's modules it imports anywhere (any import statement)."""
     modules = _modules()
+    names = set(modules)
     return {
         name: {
             dep
             for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom)
-            for dep in _siblings(node)
-            if dep in modules and dep != name
+            for dep in _siblings(name, node, names)
+            if dep != name
         }
         for name, tree in modules.items()
     }
@@ -68,15 +94,35 @@ def test_the_imports_form_a_dag_of_floors() -> None:
 def test_the_trainer_is_above_what_it_assembles() -> None:
     """checkpoint, states, export and stepping read the Trainer through trainer_state."""
     result, graph = floors(), _graph()
-    for name in ("checkpoint", "states", "export", "stepping", "masters", "trainer_state"):
+    for name in (
+        "step/checkpoint",
+        "step/states",
+        "wrapping/export",
+        "stepping",
+        "wrapping/masters",
+        "step/trainer_state",
+    ):
         assert "trainer" not in graph[name], f"{name}.py imports trainer.py"
         assert result[name] < result["trainer"]
     calls = [
         ast.unparse(n.func)
-        for n in ast.walk(_modules()["trainer_state"])
+        for n in ast.walk(_modules()["step/trainer_state"])
         if isinstance(n, ast.Call) and ast.unparse(n.func).startswith(("nd.", "mx.nd."))
     ]
     assert calls == [], "trainer_state.py holds data and names only"
+
+
+def test_the_wings_init_files_hold_a_docstring_only() -> None:
+    assert _wing_inits(), "backends/mxnet has no wings"
+    for init in _wing_inits():
+        body = ast.parse(init.read_text(encoding="utf-8")).body
+        docstring = (
+            len(body) == 1
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        )
+        assert docstring, f"{_key(init)}.py holds code; a wing's __init__ is its docstring"
 
 
 def test_no_absolute_self_imports() -> None:
@@ -91,15 +137,15 @@ def test_no_absolute_self_imports() -> None:
 
 
 def test_no_function_level_sibling_imports() -> None:
-    for name, tree in _modules().items():
+    modules = _modules()
+    for name, tree in modules.items():
         for func in ast.walk(tree):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(func):
                 if isinstance(node, ast.ImportFrom):
-                    assert not _siblings(node), (
-                        f"{name}.{func.name} imports {_siblings(node)} inside a function"
-                    )
+                    found = _siblings(name, node, set(modules))
+                    assert not found, f"{name}.{func.name} imports {found} inside a function"
 
 
 def _documented() -> dict[str, int]:
@@ -107,7 +153,7 @@ def _documented() -> dict[str, int]:
     text = DOC.read_text(encoding="utf-8")
     match = re.search(r"^### The Gluon backend.*?\n((?:\|[^\n]*\n)+)", text, re.M | re.S)
     assert match, "docs/architecture.md has no '### The Gluon backend' section with a table"
-    rows = re.findall(r"^\| `([\w]+)\.py` \| (\d+) \|", match.group(1), re.M)
+    rows = re.findall(r"^\| `([\w/]+)\.py` \| (\d+) \|", match.group(1), re.M)
     return {name: int(floor) for name, floor in rows}
 
 

@@ -23,8 +23,8 @@ from mixprec.errors import (  # noqa: E402
 )
 from mixprec.kit import DynamicScale  # noqa: E402
 from mixprec_mxnet import Trainer, state  # noqa: E402
+from mixprec_mxnet.bf16_kernels import Bf16IslandWarning  # noqa: E402
 from mixprec_mxnet.dtypes import dtype_of  # noqa: E402
-from mixprec_mxnet.kernels import Bf16IslandWarning  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 

@@ -36,10 +36,10 @@ from mixprec.errors import (  # noqa: E402
     UnsupportedDtypeError,
     WrapError,
 )
-from mixprec_mxnet import contrib_amp_lists  # noqa: E402
+from mixprec_mxnet.bf16_kernels import missing_bf16_cpu_ops  # noqa: E402
 from mixprec_mxnet.dtypes import dtype_name  # noqa: E402
-from mixprec_mxnet.graph import node_dtypes  # noqa: E402
-from mixprec_mxnet.kernels import missing_bf16_cpu_ops  # noqa: E402
+from mixprec_mxnet.integrations import contrib_amp_lists  # noqa: E402
+from mixprec_mxnet.o1.graph import node_dtypes  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 

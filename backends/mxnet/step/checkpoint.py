@@ -14,7 +14,7 @@
   masters as they were, also before the Trainer has made its masters (Gluon's own loader
   runs then, and would stop half-way at a wrong shape).
 - Under ``master=kahan`` the float32 value saved for a bfloat16 weight is ``w + c``, the
-  best the strategy knows; loading it splits it again (:mod:`.compensation`).
+  best the strategy knows; loading it splits it again (:mod:`~..compensated.compensation`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from mxnet import gluon, nd
 from mixprec.errors import CheckpointError
 from mixprec.kit import atomic_path
 
-from .dtypes import cast_into
+from ..dtypes import cast_into
 from .trainer_state import TrainerState, float32_value, named_params
 
 __all__ = ["check_written", "load_parameters", "patch_net", "save_arrays", "save_parameters"]

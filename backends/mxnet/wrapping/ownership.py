@@ -19,7 +19,7 @@ from mxnet import gluon
 
 from mixprec.errors import WrapError
 
-from .graph import blocks_of
+from ..o1.graph import blocks_of
 
 __all__ = ["Snapshot", "check_unclaimed", "claim"]
 

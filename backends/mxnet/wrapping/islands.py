@@ -43,7 +43,7 @@ from mxnet.symbol import Symbol
 
 from mixprec.kit import FLOAT32, is_low_precision
 
-from .dtypes import cast, dtype_name, mx_dtype
+from ..dtypes import cast, dtype_name, mx_dtype
 
 __all__ = [
     "DATA_ONLY_OPS",

@@ -21,9 +21,9 @@ from mxnet.contrib.amp.lists import symbol_bf16, symbol_fp16
 from mixprec.errors import PolicyError
 from mixprec.kit import BFLOAT16, FLOAT16, Policy, canonical_dtype, get_policy, is_low_precision
 
-from .devices import device_key
-from .dtypes import dtype_name
-from .ops import FAMILY_OPS, PREFIX, AmpLists, amp_lists
+from ..devices import device_key
+from ..dtypes import dtype_name
+from ..ops import FAMILY_OPS, PREFIX, AmpLists, amp_lists
 
 __all__ = [
     "current_policy",

@@ -2,7 +2,7 @@
 activations are cast.
 
 - **O1-style policies** (op rules that cast) keep float32 parameters and cast inside the
-  hybridized graph (:mod:`mixprec_mxnet.graph`). A net that is not a ``HybridBlock`` gets the
+  hybridized graph (:mod:`mixprec_mxnet.o1.graph`). A net that is not a ``HybridBlock`` gets the
   graph pass on each of its largest ``HybridBlock`` parts; ops written in a plain
   ``Block.forward`` run uncast.
 - **O2/O3-style policies** (every op passes through) cast the parameters to ``param``, the
@@ -17,7 +17,7 @@ statistics whatever the data dtype, and some layers have no bfloat16 CPU kernel
 (:data:`ISLAND_BLOCKS`), so under bfloat16 on CPU those become float32 islands even when no
 rule asks for it. Single ops without a kernel for a block's dtype on this machine
 (``FullyConnected``, ``Convolution``... on a CPU without AVX512-BF16) become float32 islands
-op by op, with the block's weights left in its dtype (:mod:`mixprec_mxnet.islands`).
+op by op, with the block's weights left in its dtype (:mod:`mixprec_mxnet.wrapping.islands`).
 
 Every cast of a floating array goes through :func:`mixprec_mxnet.dtypes.cast` (``amp_cast``,
 round to nearest-even).
@@ -39,12 +39,12 @@ from mxnet.symbol import Symbol
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.kit import BFLOAT16, FLOAT32, Policy, is_low_precision
 
-from .dtypes import cast, default_layout, dtype_name, mx_dtype
-from .gluon_private import children, clear_cached_graph, is_active, own_params, replace_param_data
-from .graph import BlockInfo, blocks_of, install_graph_pass
+from ..bf16_kernels import warn_islands
+from ..dtypes import cast, default_layout, dtype_name, mx_dtype
+from ..gluon_private import children, clear_cached_graph, is_active, own_params, replace_param_data
+from ..o1.graph import BlockInfo, blocks_of, install_graph_pass
+from ..ops import unsupported_natives
 from .islands import chained_islands, converting, enter, install_op_islands, leave
-from .kernels import warn_islands
-from .ops import unsupported_natives
 from .symbol_blocks import fp32_params_by_op, install_symbol_islands
 
 __all__ = [

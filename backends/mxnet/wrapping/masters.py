@@ -29,12 +29,12 @@ from mixprec.kit import (
     is_low_precision,
 )
 
-from . import distributed
-from .accumulation import Accumulation
+from ..compensated.compensation import Compensation, compensated_pairs
+from ..dtypes import cast, cast_into, default_layout, dtype_name, mx_dtype
+from ..gluon_private import init_from, is_deferred, params_with_prefix
+from ..step import distributed
+from ..step.accumulation import Accumulation
 from .casting import cast_param
-from .compensation import Compensation, compensated_pairs
-from .dtypes import cast, cast_into, default_layout, dtype_name, mx_dtype
-from .gluon_private import init_from, is_deferred, params_with_prefix
 
 if TYPE_CHECKING:
     from mixprec.kit import Policy
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["BROADCAST_KEY_BASE", "MasterSetup"]
 
 #: Parameter ``i``'s exact-value broadcast key when its reduce key has another dtype. Gluon
-#: keys parameters 0..n-1 and :data:`~mixprec_mxnet.distributed.FOUND_INF_KEY` is 200,003;
+#: keys parameters 0..n-1 and :data:`~mixprec_mxnet.step.distributed.FOUND_INF_KEY` is 200,003;
 #: ps-lite needs int keys below about 215,000, so up to 100,000 parameters fit in between.
 BROADCAST_KEY_BASE = 100_000
 

@@ -60,8 +60,8 @@ from mxnet import nd
 from mixprec.errors import UnsupportedDtypeError, WrapError
 from mixprec.kit import BFLOAT16
 
-from .dtypes import dtype_name
-from .gluon_private import is_deferred
+from ..dtypes import dtype_name
+from ..gluon_private import is_deferred
 
 __all__ = [
     "FOUND_INF_KEY",

@@ -2,7 +2,7 @@
 
 MXNet's mixed precision is a graph pass driven by op lists (``mxnet.contrib.amp.lists``:
 ``symbol_fp16`` for float16, ``symbol_bf16`` for bfloat16). :func:`native_dtypes` reads, for
-each neutral family, where those lists put its first native op (:data:`.ops.FAMILY_OPS`):
+each neutral family, where those lists put its first native op (:data:`..ops.FAMILY_OPS`):
 the low-precision list runs it in the target dtype, the float32 list in float32, the
 "either" list and the widest-type list in the dtype of its inputs (all one dtype here), and
 a conditional entry (``Activation`` with ``act_type='softrelu'``) in float32 when the
@@ -18,7 +18,7 @@ from mxnet.contrib.amp.lists import symbol_bf16, symbol_fp16
 from mixprec.errors import BackendNotAvailable
 from mixprec.kit import BFLOAT16, FLOAT32, NativeDtypes
 
-from .ops import FAMILY_OPS, NativeOp
+from ..ops import FAMILY_OPS, NativeOp
 
 __all__ = ["native_dtypes"]
 

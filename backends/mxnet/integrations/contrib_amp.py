@@ -40,13 +40,13 @@ from mxnet.symbol import Symbol
 
 from mixprec.errors import StepOrderError, WrapError
 
+from ..bf16_kernels import warn_islands
+from ..devices import device_key, resolve_policy
+from ..gluon_private import cached_graph, children, gluon_trainer_args, has_stepped, retrace_graph
+from ..o1.graph import install_graph_pass, reduce_precision
+from ..ops import amp_lists
+from ..trainer import Trainer
 from .contrib_amp_lists import Conditional, current_policy, policy_for
-from .devices import device_key, resolve_policy
-from .gluon_private import cached_graph, children, gluon_trainer_args, has_stepped, retrace_graph
-from .graph import install_graph_pass, reduce_precision
-from .kernels import warn_islands
-from .ops import amp_lists
-from .trainer import Trainer
 
 __all__ = [
     "convert_bucketing_module",

@@ -37,7 +37,7 @@ from mxnet import nd
 
 from mixprec.errors import CheckpointError
 
-from .gluon_private import update_counts
+from ..gluon_private import update_counts
 
 __all__ = [
     "FORMAT",

@@ -30,9 +30,8 @@ from mxnet.symbol import Symbol
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.kit import FLOAT32, Policy, is_floating, module_rule
 
-from .accumulation import protect_accumulation
-from .dtypes import dtype_name, mx_dtype, mx_type_code
-from .gluon_private import (
+from ..dtypes import dtype_name, mx_dtype, mx_type_code
+from ..gluon_private import (
     children,
     compose,
     dtype_from_type_code,
@@ -40,9 +39,16 @@ from .gluon_private import (
     install_traced_graph,
     reduce_precision_symbol,
 )
-from .ops import AmpLists, amp_lists, family_of, native_name
+from ..ops import AmpLists, amp_lists, family_of, native_name
 
-__all__ = ["BlockInfo", "blocks_of", "convert_symbol", "install_graph_pass", "node_dtypes"]
+__all__ = [
+    "BlockInfo",
+    "blocks_of",
+    "convert_symbol",
+    "install_graph_pass",
+    "node_dtypes",
+    "protect_accumulation",
+]
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,18 @@ def install_graph_pass(net: gluon.HybridBlock, policy: Policy, device: str) -> N
         return inputs, protect_accumulation(converted, added)
 
     install_traced_graph(net, convert)
+
+
+def protect_accumulation(sym: Symbol, names: Sequence[str]) -> Symbol:
+    """``sym`` with each input in ``names`` read through an ``identity`` node, so that
+    ``grad_req='add'`` accumulates into it (``amp_cast``'s backward would overwrite nothing)."""
+    present = set(sym.list_inputs())
+    wrapped = {
+        name: mx.sym.identity(mx.sym.var(name), name=f"{name}_mixprec_accumulate")
+        for name in names
+        if name in present
+    }
+    return compose(sym, **wrapped) if wrapped else sym
 
 
 def _flatten(args: Any) -> list[Any]:

@@ -25,7 +25,7 @@ What the backend does with the answer:
   weights (and masters) keep the policy's dtypes (:func:`warn_islands` says so once per trainer).
   This keeps the policy's numerics, not its speed: on an AVX2-only CPU ``amp_cast`` to and
   from bfloat16 runs at ~100 ns per element (a float32 copy: ~4 ns), so even with consecutive
-  islands passing float32 to each other (:func:`mixprec_mxnet.islands.chained_islands`) the
+  islands passing float32 to each other (:func:`mixprec_mxnet.wrapping.islands.chained_islands`) the
   casts of weights and master copies leave an O2-bf16 CNN step there about 1.7x O0's, and a
   large MLP's 6-11x (docs/benchmarks.md, section 2 reading).
 """

@@ -13,10 +13,10 @@ from mxnet import gluon
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.kit import BFLOAT16, Policy, is_low_precision
 
-from .dtypes import dtype_name
-from .gluon_private import dense_embedding_grad, is_deferred, is_sparse
-from .graph import blocks_of
-from .ops import island_natives
+from ..dtypes import dtype_name
+from ..gluon_private import dense_embedding_grad, is_deferred, is_sparse
+from ..o1.graph import blocks_of
+from ..ops import island_natives
 
 __all__ = [
     "check_dense",

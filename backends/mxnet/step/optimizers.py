@@ -16,7 +16,7 @@ from typing import Any
 import mxnet as mx
 from mxnet import nd
 
-from .gluon_private import optimizer_step
+from ..gluon_private import optimizer_step
 
 __all__ = ["AdamW"]
 

@@ -27,8 +27,8 @@ from mxnet import nd
 from mixprec.errors import CheckpointError, MixprecError, MixprecWarning
 from mixprec.kit import LossScaler, Policy, atomic_path
 
+from ..gluon_private import set_update_counts
 from .checkpoint import save_arrays
-from .gluon_private import set_update_counts
 from .state_files import SavedStates, optimizer_record, read_states, states_arrays
 from .trainer_state import TrainerState, names_by_id, param_names
 

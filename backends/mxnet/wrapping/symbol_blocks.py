@@ -2,7 +2,7 @@
 
 A ``SymbolBlock`` has no child blocks and no ``hybrid_forward`` calling ops through ``F``, so
 the class-based rules (BatchNorm keeps float32 parameters) and the ``F``-based float32
-islands of :mod:`mixprec_mxnet.islands` cannot see inside it. Here both act on its graph:
+islands of :mod:`mixprec_mxnet.wrapping.islands` cannot see inside it. Here both act on its graph:
 :func:`fp32_params_by_op` finds the parameters BatchNorm nodes read (they stay float32, as
 MXNet's kernel needs), and :func:`install_symbol_islands` rewrites the graph so that each op
 without a kernel for the block's dtype on this machine reads float32 inputs (BatchNorm: its
@@ -28,7 +28,7 @@ from mxnet.symbol import Symbol
 
 from mixprec.errors import WrapError
 
-from .gluon_private import cached_graph, set_cached_graph
+from ..gluon_private import cached_graph, set_cached_graph
 from .islands import DATA_ONLY_OPS
 
 __all__ = [

@@ -46,7 +46,7 @@ from mxnet import gluon, nd
 from mixprec.errors import CheckpointError
 from mixprec.kit import BFLOAT16, FLOAT32, KAHAN
 
-from .dtypes import cast, cast_into, dtype_name
+from ..dtypes import cast, cast_into, dtype_name
 
 __all__ = ["Compensation", "compensated_pairs", "round_stochastic"]
 

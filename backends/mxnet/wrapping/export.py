@@ -29,10 +29,10 @@ from mxnet import gluon, nd
 from mixprec.errors import CheckpointError
 from mixprec.kit import FLOAT32, atomic_path, atomic_write_text, is_low_precision
 
-from .checkpoint import save_arrays
-from .dtypes import mx_dtype
-from .gluon_private import cached_graph, compose
-from .trainer_state import TrainerState, float32_value
+from ..dtypes import mx_dtype
+from ..gluon_private import cached_graph, compose
+from ..step.checkpoint import save_arrays
+from ..step.trainer_state import TrainerState, float32_value
 
 __all__ = ["export", "patch_export"]
 

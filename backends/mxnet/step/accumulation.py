@@ -23,13 +23,14 @@ gradient. A backward outside ``scale_loss`` cannot be seen in time: ``step`` ref
 (:class:`~mixprec.errors.StepOrderError` naming ``scale_loss``) before anything changes, as
 it refuses ``'add'`` on some parameters and ``'write'`` on others.
 
-Two MXNet 1.9 facts shape the rest of this module:
+Two MXNet 1.9 facts shape accumulation under mixprec's casts:
 
 - ``amp_cast``'s backward ignores ``req=kAddTo``: a parameter that reaches the graph through
   an ``amp_cast`` (every parameter O1's graph pass casts to low precision) gets a gradient of
   exactly zero under ``grad_req='add'`` (MXNet's own ``amp.convert_hybrid_block`` has the same
-  bug). :func:`protect_accumulation` feeds such parameters through an ``identity`` node, whose
-  backward accumulates correctly; the ``amp_cast`` then writes into an internal buffer.
+  bug). O1's graph pass feeds such parameters through an ``identity`` node
+  (:func:`mixprec_mxnet.o1.graph.protect_accumulation`), whose backward accumulates
+  correctly; the ``amp_cast`` then writes into an internal buffer.
 - ``ndarray.reset_arrays``, which ``ParameterDict.zero_grad`` calls, has no bfloat16 kernel
   (``Unknown type enum 12`` at the next step). :func:`install_zero_grad` makes
   ``ParameterDict.zero_grad`` zero bfloat16 gradients with ``zeros_like`` and hands every
@@ -44,17 +45,15 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import mxnet as mx
 from mxnet import autograd, gluon, nd
-from mxnet.symbol import Symbol
 
 from mixprec.errors import StepOrderError, WrapError
 from mixprec.kit import BFLOAT16, FLOAT32, is_low_precision
 
-from .dtypes import cast, dtype_name, mx_dtype
-from .gluon_private import compose, consume_fresh_grad, has_fresh_grad, has_grad
+from ..dtypes import cast, dtype_name, mx_dtype
+from ..gluon_private import consume_fresh_grad, has_fresh_grad, has_grad
 
-__all__ = ["Accumulation", "check_grad_req", "install_zero_grad", "protect_accumulation"]
+__all__ = ["Accumulation", "check_grad_req", "install_zero_grad"]
 
 _BF16 = mx_dtype(BFLOAT16)
 
@@ -154,18 +153,6 @@ def _zero_masters(params: Iterable[gluon.Parameter]) -> None:
         if master is not None and has_grad(master):
             for grad in master.list_grad():
                 nd.zeros_like(grad, out=grad)
-
-
-def protect_accumulation(sym: Symbol, names: Sequence[str]) -> Symbol:
-    """``sym`` with each input in ``names`` read through an ``identity`` node, so that
-    ``grad_req='add'`` accumulates into it (``amp_cast``'s backward would overwrite nothing)."""
-    present = set(sym.list_inputs())
-    wrapped = {
-        name: mx.sym.identity(mx.sym.var(name), name=f"{name}_mixprec_accumulate")
-        for name in names
-        if name in present
-    }
-    return compose(sym, **wrapped) if wrapped else sym
 
 
 def _zero_grad(original: Any, self: gluon.ParameterDict) -> None:

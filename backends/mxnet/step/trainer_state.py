@@ -1,8 +1,9 @@
 """What the Trainer holds, as the modules beneath it read it: names, masters, float32 values.
 
 Data only (a typing :class:`TrainerState` protocol and pure functions of it): the step
-(:mod:`.stepping`), the checkpoints (:mod:`.checkpoint`) and export (:mod:`.export`) read the
-Trainer through this module, so none of them imports :mod:`.trainer`, which imports them (the
+(:mod:`~..stepping`), the checkpoints (:mod:`.checkpoint`) and export
+(:mod:`~..wrapping.export`) read the Trainer through this module, so none of them imports
+:mod:`~..trainer`, which imports them (the
 torch backend's ``optimizer_state.py`` plays the same part).
 """
 
@@ -15,13 +16,13 @@ from mxnet import gluon, nd
 
 from mixprec.kit import FLOAT32
 
-from .dtypes import cast
-from .gluon_private import params_with_prefix
+from ..dtypes import cast
+from ..gluon_private import params_with_prefix
 
 if TYPE_CHECKING:
     from mixprec.kit import LossScaler, MasterWeights, Policy
 
-    from .compensation import Compensation
+    from ..compensated.compensation import Compensation
 
 __all__ = ["TrainerState", "float32_value", "named_params", "names_by_id", "param_names"]
 
