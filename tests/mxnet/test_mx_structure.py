@@ -1,12 +1,15 @@
-"""The Gluon backend's shape: its imports form a DAG of floors (every import counts: module
-level, inside functions, under ``TYPE_CHECKING``), within the package they are relative and at
-module level, the wings' ``__init__.py`` hold a docstring only, and the module table in
-docs/architecture.md lists exactly the files there are, each on its floor.
+"""The Gluon backend's shape, read from the source (no MXNet needed): within the package the
+imports are relative and at module level, the wings' ``__init__.py`` hold a docstring only,
+the trainer sits above what it assembles, and the module table in docs/architecture.md lists
+exactly the files there are, each on its floor (a circle among the imports fails there too:
+every import counts, module level, inside functions and under ``TYPE_CHECKING``).
 
-Read from the source (no MXNet needed). Modules are named by their path in the package
-(``step/checkpoint``); the wings (``o1/``, ``step/``, ``wrapping/``...) are subpackages.
-The trainer once imported checkpoint, export and stepping, which imported it (or checkpoint)
-back under ``TYPE_CHECKING``; they now read the Trainer through the data-only
+The order of the wings is not checked here: import-linter's contracts for ``mixprec_mxnet`` in
+pyproject.toml (``make lint``) keep it, so a new floor is a reviewed diff of the contract, not
+a raised number. Modules are named by their path in the package (``step/checkpoint``); the
+wings (``o1/``, ``step/``, ``wrapping/``...) are subpackages. The trainer once imported
+checkpoint, export and stepping, which imported it (or checkpoint) back under
+``TYPE_CHECKING``; they now read the Trainer through the data-only
 ``step/trainer_state.py``, as the torch backend's ``step/optimizer_state.py``.
 """
 
@@ -21,7 +24,6 @@ from floors import floors_of
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "backends" / "mxnet"
 DOC = ROOT / "docs" / "architecture.md"
-MAX_FLOORS = 12
 
 
 def _key(path: Path) -> str:
@@ -82,13 +84,6 @@ def floors() -> dict[str, int]:
     :raises AssertionError: naming the circle, when the imports are not a DAG.
     """
     return floors_of(_graph(), "mixprec_mxnet")
-
-
-def test_the_imports_form_a_dag_of_floors() -> None:
-    result = floors()  # raises on a circle, function-level and TYPE_CHECKING imports included
-    top = max(result.values())
-    by_floor = {f: sorted(n for n, g in result.items() if g == f) for f in range(1, top + 1)}
-    assert top <= MAX_FLOORS, f"mixprec_mxnet has {top} floors (at most {MAX_FLOORS}): {by_floor}"
 
 
 def test_the_trainer_is_above_what_it_assembles() -> None:
