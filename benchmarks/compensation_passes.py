@@ -6,11 +6,12 @@ under ``O3-bf16-kahan``, ``O3-bf16-sr`` and ``O3-bf16-kahan,state=bfloat16``, ea
 round-robin in one process with the gradients set once (no forward or backward):
 
 - ``fused``: torch's AdamW takes the fused update, one native pass per tensor
-  (:mod:`mixprec_torch.fused_update`);
+  (:mod:`mixprec_torch.compensated.fused_update`);
 - ``fused, torch fallback``: the same arithmetic as torch operations, what a machine without
   a C compiler runs (the same bits);
 - ``generic``: a subclass of AdamW, which takes the generic path: float32 working masters
-  filled from the weights, torch's own AdamW, rounded back (:mod:`mixprec_torch.compensation`).
+  filled from the weights, torch's own AdamW, rounded back
+  (:mod:`mixprec_torch.compensated.compensation`).
 
 and, for reference, ``O2-bf16``'s step (the native guard pass with the cast into float32
 master gradients, torch's fused AdamW on the masters, the copy into the bfloat16 weights).
@@ -45,7 +46,7 @@ def make_sample(policy: str, form: str) -> Callable[[], Mapping[str, float]]:
     """One contender: ``optimizer.step()`` with fixed gradients, timed."""
     torch = setup_torch()
     import mixprec
-    from mixprec_torch import cpu_kernels
+    from mixprec_torch.cpu import clib as cpu_kernels
 
     class SubclassedAdamW(torch.optim.AdamW):  # type: ignore[misc,name-defined]
         """AdamW under another class: the generic path."""

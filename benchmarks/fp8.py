@@ -38,7 +38,7 @@ from torch import nn
 
 import mixprec
 import mixprec.torch as mpt
-from mixprec_torch.fp8_numerics import native_gemms
+from mixprec_torch.fp8.numerics import native_gemms
 
 POLICIES = (
     "O1-bf16",

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 import mixprec.torch as mpt
-from mixprec_torch.running_stats import RunningStats
 from mixprec_torch.torch_private import foreach_norm_float32, non_finite_check_and_unscale_
+from mixprec_torch.wrapping.running_stats import RunningStats
 
 
 def _median_ms(fn: Callable[[], object], repeat: int) -> float:

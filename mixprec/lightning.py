@@ -34,6 +34,7 @@ except ImportError as exc:
 load_backend("torch")  # the plugin runs on the torch backend: same error if torch is missing
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mixprec_torch.lightning import MixprecPrecision
+    from mixprec_torch.integrations.lightning import MixprecPrecision
 else:
-    MixprecPrecision = importlib.import_module("mixprec_torch.lightning").MixprecPrecision
+    _plugin = importlib.import_module("mixprec_torch.integrations.lightning")
+    MixprecPrecision = _plugin.MixprecPrecision

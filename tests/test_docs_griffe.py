@@ -39,7 +39,7 @@ def test_backends_are_documented_under_the_names_users_import(
 ) -> None:
     wrap = loaded["mixprec.torch.wrap"]
     assert wrap.path == "mixprec.torch.wrap"
-    assert wrap.canonical_path == "mixprec_torch.wrapping.wrap"
+    assert wrap.canonical_path == "mixprec_torch.wrapping.wrap.wrap"
     assert loaded["mixprec.mxnet.Trainer"].canonical_path == "mixprec_mxnet.trainer.Trainer"
 
 

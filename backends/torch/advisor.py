@@ -31,10 +31,10 @@ from mixprec.kit import (
 )
 
 from .devices import capabilities, device_key
-from .diagnostics import underflow_fraction
-from .fp8_stats import fp8_statistics
-from .loop import scale_loss, state
-from .wrapping import wrap
+from .fp8.statistics import fp8_statistics
+from .step.diagnostics import underflow_fraction
+from .step.loop import scale_loss, state
+from .wrapping.wrap import wrap
 
 __all__ = ["advise"]
 

@@ -19,16 +19,16 @@ from torch import nn
 from mixprec.errors import UnsupportedDtypeError
 from mixprec.kit import MX_BLOCK, Policy
 
-from .autocast import OpCasting, region
 from .devices import capabilities
 from .dtypes import dtype_name, torch_dtype
-from .fp8_numerics import quantise
-from .kernels import install
-from .loop import master_params, scale_loss, state
+from .fp8.numerics import quantise
+from .o1.autocast import OpCasting, region
+from .o1.autocast_kernels import install
+from .o1.probes import PROBES, result_dtype
 from .ops import supported_ops
-from .optimizer_state import optimizer_state
-from .probes import PROBES, result_dtype
-from .wrapping import wrap
+from .step.loop import master_params, scale_loss, state
+from .step.optimizer_state import optimizer_state
+from .wrapping.wrap import wrap
 
 __all__ = ["TorchAdapter", "TorchTrainer", "conformance_adapter"]
 

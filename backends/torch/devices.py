@@ -24,7 +24,7 @@ bfloat16 before float16 among the fast dtypes (:meth:`mixprec.Capabilities.prefe
 :func:`cpu_capability` and :func:`cuda_capability` are pure functions of those facts.
 
 Every FP8 recipe runs on both, emulated exactly where ``torch._scaled_mm`` does not run it
-(:mod:`mixprec_torch.fp8_numerics`), so both list all of them.
+(:mod:`mixprec_torch.fp8.numerics`), so both list all of them.
 """
 
 from __future__ import annotations

@@ -4,19 +4,19 @@
 overloads a call of the family reaches first in torch's dispatcher (``F.softmax``,
 ``torch.softmax`` and ``Tensor.softmax`` all reach ``aten::softmax.int``; ``a @ b`` reaches
 ``aten::matmul``). O1 decides dtypes there, at the Autocast dispatch key, as
-``torch.autocast`` does (:mod:`mixprec_torch.kernels`): a composite operator's own decision
-covers the operators it runs (``aten::cross_entropy_loss`` decides for the ``log_softmax`` and
-``nll_loss`` inside it), and a Python function is the operators it calls
+``torch.autocast`` does (:mod:`mixprec_torch.o1.autocast_kernels`): a composite operator's own
+decision covers the operators it runs (``aten::cross_entropy_loss`` decides for the ``log_softmax``
+and ``nll_loss`` inside it), and a Python function is the operators it calls
 (``F.multi_head_attention_forward`` is linears, a softmax and batched products, each decided
 by its own family). :data:`TORCH_OPS` lists the Python callables of each family, for reading
 and for the probes.
 
-Native names: a policy may also list ``"torch:<name>"``; :mod:`mixprec_torch.aten` resolves
+Native names: a policy may also list ``"torch:<name>"``; :mod:`mixprec_torch.o1.aten` resolves
 them (and the families) to the overloads of this torch build.
 
 The representative calls that test what each family produces (and
-:func:`~mixprec_torch.probes.autocast_dtypes`, which runs them) live in
-:mod:`mixprec_torch.probes`.
+:func:`~mixprec_torch.o1.probes.autocast_dtypes`, which runs them) live in
+:mod:`mixprec_torch.o1.probes`.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def mixprec_presets() -> Mapping[str, Any]:
 @hookimpl
 def mixprec_native_dtypes(backend: str, device: str, compute: str) -> NativeDtypes | None:
     """What ``torch.autocast`` does with each op, for the precision lockfile (see
-    :mod:`mixprec_torch.native`; CUDA is probed on fake tensors)."""
+    :mod:`mixprec_torch.o1.framework_autocast`; CUDA is probed on fake tensors)."""
     if backend != "torch":
         return None
     answer: NativeDtypes = load_backend("torch").native_dtypes(device, compute)

@@ -3,8 +3,8 @@
 :func:`plan_model` walks a model once, parents before children, and returns one
 :class:`ModuleSite` per module: the dtype a module rule pins it to, else the dtype of its
 parent (a pin covers everything inside the module), else ``policy.param`` at the root.
-``wrap`` casts by this plan (:mod:`mixprec_torch.casting`), and
-:func:`mixprec_torch.sharding.fully_shard_with_policy` shards by it, so both agree. It
+``wrap`` casts by this plan (:mod:`mixprec_torch.wrapping.casting`), and
+:func:`mixprec_torch.wrapping.sharding.fully_shard_with_policy` shards by it, so both agree. It
 reads the model and changes nothing.
 """
 

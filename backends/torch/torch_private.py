@@ -127,7 +127,7 @@ def scaled_mm(
 
     Why private: torch's only FP8 GEMM is ``torch._scaled_mm`` (what torchao and Transformer
     Engine's torch path call); there is no public one. Where it is missing or refuses a
-    device, recipe or shape, :mod:`mixprec_torch.fp8_numerics` emulates it exactly.
+    device, recipe or shape, :mod:`mixprec_torch.fp8.numerics` emulates it exactly.
     """
     return torch._scaled_mm(  # type: ignore[no-any-return]
         a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
@@ -149,7 +149,7 @@ def tensor_versions(tensors: list[torch.Tensor]) -> list[int]:
 
     Why private: as :func:`tensor_version`; read for every master-backed parameter on each
     step to notice weights a user edited in place since the last master copy
-    (:mod:`mixprec_torch.model_edits`), which costs one integer per parameter where keeping
+    (:mod:`mixprec_torch.step.model_edits`), which costs one integer per parameter where keeping
     and comparing copies would cost the weights' memory and a pass over them.
     """
     return [t._version for t in tensors]
@@ -292,7 +292,7 @@ def in_backward() -> bool:
 
 
 # -------------------------------------------------------------------------------------------
-# O1 at torch's Autocast dispatch keys (mixprec_torch.kernels, mixprec_torch.regions)
+# O1 at torch's Autocast dispatch keys (mixprec_torch.o1.autocast_kernels, mixprec_torch.o1.regions)
 
 
 def dispatch_key(kind: str, device_type: str) -> torch.DispatchKey:
@@ -442,8 +442,8 @@ def fake_tensor_mode() -> Any:
 
     Why private: ``torch._subclasses.fake_tensor`` is how torch itself (``torch.compile``)
     traces without running kernels; there is no public equivalent. The lockfile
-    (:mod:`mixprec_torch.native`) runs CUDA autocast's own kernels on fake tensors to record
-    what it does with each op on a machine without a GPU.
+    (:mod:`mixprec_torch.o1.framework_autocast`) runs CUDA autocast's own kernels on fake tensors to
+    record what it does with each op on a machine without a GPU.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -34,7 +34,7 @@ __all__ = [
 load_backend("torch")  # BackendNotAvailable naming mixprec[torch] when torch is missing
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mixprec_torch.apex_amp import (
+    from mixprec_torch.integrations.apex_amp import (
         disable_casts,
         float_function,
         half_function,
@@ -50,6 +50,6 @@ if TYPE_CHECKING:  # pragma: no cover
         state_dict,
     )
 else:
-    _apex_amp = importlib.import_module("mixprec_torch.apex_amp")
+    _apex_amp = importlib.import_module("mixprec_torch.integrations.apex_amp")
     for _name in __all__:
         globals()[_name] = getattr(_apex_amp, _name)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mixprec.compat import apex_amp as amp
-from mixprec_torch import apex_functions
+from mixprec_torch.integrations import apex_functions
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import mixprec.torch as mpt
-from mixprec_torch.sharding import fully_shard_with_policy, register_ddp_reduce_hook
+from mixprec_torch.wrapping.sharding import fully_shard_with_policy, register_ddp_reduce_hook
 
 TIMEOUT = datetime.timedelta(seconds=30)
 Result = dict[str, Any]
@@ -77,7 +77,7 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def values(tensors: list[torch.Tensor]) -> list[list[float]]:
-    from mixprec_torch.sharding import local_tensor
+    from mixprec_torch.wrapping.sharding import local_tensor
 
     return [local_tensor(t).detach().float().flatten().tolist() for t in tensors]
 
@@ -91,7 +91,7 @@ def train_step(
 ) -> float:
     """One user-style step; ``inject_inf`` puts an inf into this rank's first gradient after
     the gradient reduction, so only this rank can see it."""
-    from mixprec_torch.sharding import local_tensor
+    from mixprec_torch.wrapping.sharding import local_tensor
 
     optimizer.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x).float(), y)
@@ -265,7 +265,7 @@ def stalled_peer(rank: int, world: int) -> Result:
     process group's timeout. Rank 1 then joins late, so the pending collective completes and
     the group shuts down cleanly (it waits for rank 0's signal file, not for a fixed time, so
     a loaded machine cannot make it join before rank 0 gave up)."""
-    from mixprec_torch.distributed import set_overflow_timeout
+    from mixprec_torch.step.distributed import set_overflow_timeout
 
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

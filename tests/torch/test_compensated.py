@@ -143,7 +143,7 @@ def test_sliced_passes_give_the_bits_of_one_pass(
     """The generic path's flat passes run in slices (bounded temporaries); slices that cut
     through parameters must not change a bit of the weights, the compensation (kahan), the
     optimizer state or the stochastic rounding's noise (sr, bfloat16 state)."""
-    from mixprec_torch import noise
+    from mixprec_torch.cpu import noise
 
     def run() -> list[torch.Tensor]:
         net = tanh_net()
@@ -160,7 +160,7 @@ def test_sliced_passes_give_the_bits_of_one_pass(
     whole = run()
     monkeypatch.setattr(noise, "SLICE", 7)  # 7 does not divide any parameter size
     monkeypatch.setenv("MIXPREC_NATIVE", "0")  # the torch noise, drawn slice by slice
-    monkeypatch.setattr(noise.cpu_kernels, "_state", {})
+    monkeypatch.setattr(noise.clib, "_state", {})
     sliced = run()
     assert len(whole) == len(sliced)
     for a, b in zip(whole, sliced, strict=True):

@@ -1,4 +1,4 @@
-"""The native CPU kernels (mixprec_torch.cpu_kernels) and their torch fallbacks.
+"""The native CPU kernels (mixprec_torch.cpu.clib) and their torch fallbacks.
 
 Where the kernels cannot be built (no C compiler, MIXPREC_NATIVE=0), every caller uses torch
 operations instead; these tests check that both give the same bits (the guard's pass, the
@@ -22,27 +22,25 @@ from _torch_nets import TANH_X, TANH_Y, tanh_net, train_tanh  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mixprec  # noqa: E402
-from mixprec_torch import cpu_kernels, noise  # noqa: E402
+from mixprec_torch.cpu import clib, noise  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-needs_native = pytest.mark.skipif(
-    cpu_kernels.library() is None, reason=f"native kernels: {cpu_kernels.status()}"
-)
+needs_native = pytest.mark.skipif(clib.library() is None, reason=f"native kernels: {clib.status()}")
 
 
 @pytest.fixture
 def without_native(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The torch fallbacks, as on a machine without a C compiler."""
-    monkeypatch.setattr(cpu_kernels, "_state", {"lib": None, "reason": "switched off by a test"})
+    monkeypatch.setattr(clib, "_state", {"lib": None, "reason": "switched off by a test"})
     yield
 
 
 def _swap_native(off: bool) -> dict[str, object]:
-    saved = dict(cpu_kernels._state)
+    saved = dict(clib._state)
     if off:
-        cpu_kernels._state.clear()
-        cpu_kernels._state.update({"lib": None, "reason": "switched off by a test"})
+        clib._state.clear()
+        clib._state.update({"lib": None, "reason": "switched off by a test"})
     return saved
 
 
@@ -51,8 +49,8 @@ def _run(fn: Callable[[], list[torch.Tensor]], *, off: bool) -> list[torch.Tenso
     try:
         return fn()
     finally:
-        cpu_kernels._state.clear()
-        cpu_kernels._state.update(saved)
+        clib._state.clear()
+        clib._state.update(saved)
 
 
 def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -205,7 +203,7 @@ def test_the_guard_pass_native_and_fallback_agree(policy: str) -> None:
 
 @needs_native
 def test_noise_native_and_torch_agree() -> None:
-    lib = cpu_kernels.library()
+    lib = clib.library()
     assert lib is not None
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -213,7 +211,7 @@ def test_noise_native_and_torch_agree() -> None:
         index = int(torch.randint(0, 10**7, (1,), generator=gen))
         count = int(torch.randint(0, 3000, (1,), generator=gen))
         assert torch.equal(
-            cpu_kernels.noise(lib, key, index, count), noise._noise_torch(key, index, count)
+            clib.noise(lib, key, index, count), noise._noise_torch(key, index, count)
         )
     work = torch.randn(100_003)
     other = work.clone()
@@ -222,8 +220,8 @@ def test_noise_native_and_torch_agree() -> None:
     try:
         noise.round_stochastic_(other, 77, index=5)
     finally:
-        cpu_kernels._state.clear()
-        cpu_kernels._state.update(saved)
+        clib._state.clear()
+        clib._state.update(saved)
     assert torch.equal(work, other)
     assert torch.equal(work, work.to(torch.bfloat16).float())  # on the bfloat16 grid
 
@@ -242,8 +240,8 @@ def test_the_kernels_build_from_an_empty_cache_and_fail_soft(tmp_path: os.PathLi
     """A fresh cache compiles the kernels (or says why not); a missing compiler falls back
     to torch and training still works."""
     code = (
-        "from mixprec_torch import cpu_kernels; import sys; "
-        "print(cpu_kernels.status()); sys.exit(0 if cpu_kernels.library() is not None else 3)"
+        "from mixprec_torch.cpu import clib; import sys; "
+        "print(clib.status()); sys.exit(0 if clib.library() is not None else 3)"
     )
     env = {**os.environ, "MIXPREC_CACHE_DIR": str(tmp_path)}
     env.pop("MIXPREC_NATIVE", None)
@@ -256,13 +254,13 @@ def test_the_kernels_build_from_an_empty_cache_and_fail_soft(tmp_path: os.PathLi
 
     script = (
         "import torch, mixprec\n"
-        "from mixprec_torch import cpu_kernels\n"
+        "from mixprec_torch.cpu import clib\n"
         "net = torch.nn.Linear(4, 2)\n"
         "model, opt = mixprec.torch.wrap(net, torch.optim.AdamW(net.parameters()), "
         "policy='O3-bf16-kahan')\n"
         "for _ in range(2):\n"
         "    opt.zero_grad(); model(torch.ones(3, 4)).float().sum().backward(); opt.step()\n"
-        "print(cpu_kernels.status())\n"
+        "print(clib.status())\n"
     )
     env["CC"] = str(tmp_path / "no-such-compiler")
     env["MIXPREC_CACHE_DIR"] = str(tmp_path / "other")

@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 
 import mixprec  # noqa: E402
 import mixprec.torch  # noqa: E402
-from mixprec_torch.distributed import all_reduce_found_inf, is_distributed  # noqa: E402
-from mixprec_torch.sharding import (  # noqa: E402
+from mixprec_torch.step.distributed import all_reduce_found_inf, is_distributed  # noqa: E402
+from mixprec_torch.wrapping.sharding import (  # noqa: E402
     fsdp_mixed_precision_policy,
     fsdp_policy_of,
     fully_shard_with_policy,
@@ -134,7 +134,7 @@ def test_a_stalled_peer_fails_the_overflow_check_in_bounded_time(tmp_path: Path)
 
 def test_the_overflow_timeout_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
     from mixprec.errors import PolicyError
-    from mixprec_torch.distributed import overflow_timeout, set_overflow_timeout
+    from mixprec_torch.step.distributed import overflow_timeout, set_overflow_timeout
 
     monkeypatch.delenv("MIXPREC_OVERFLOW_TIMEOUT", raising=False)
     assert overflow_timeout() == 300.0
@@ -316,8 +316,8 @@ def test_fsdp_refuses_an_unresolved_auto_policy() -> None:
 
 def test_distributed_helpers_are_exported_through_the_facade() -> None:
     import mixprec_torch
-    import mixprec_torch.distributed as dist
-    import mixprec_torch.sharding as sharding
+    import mixprec_torch.step.distributed as dist
+    import mixprec_torch.wrapping.sharding as sharding
 
     for module, name in (
         (sharding, "fully_shard_with_policy"),
@@ -334,7 +334,7 @@ def test_a_rank_without_gradients_still_joins_the_found_inf_reduction(
     monkeypatch: pytest.MonkeyPatch, other_rank_overflowed: bool
 ) -> None:
     """Every rank must call the collective, or the ranks that do wait forever."""
-    import mixprec_torch.stepping as step_module
+    import mixprec_torch.step.protocol as step_module
 
     calls: list[float] = []
 
@@ -363,7 +363,7 @@ def test_a_rank_without_gradients_still_joins_the_found_inf_reduction(
 def test_a_single_process_without_gradients_makes_no_collective_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import mixprec_torch.stepping as step_module
+    import mixprec_torch.step.protocol as step_module
 
     calls: list[torch.Tensor] = []
     monkeypatch.setattr(step_module, "all_reduce_found_inf", lambda f, **_: calls.append(f) or f)

@@ -22,8 +22,8 @@ import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import MixprecWarning, UnsupportedDtypeError  # noqa: E402
 from mixprec_torch.devices import cuda_capability, device_key  # noqa: E402
+from mixprec_torch.o1.probes import autocast_dtypes  # noqa: E402
 from mixprec_torch.presets import torch_autocast_policy, torch_autocast_presets  # noqa: E402
-from mixprec_torch.probes import autocast_dtypes  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

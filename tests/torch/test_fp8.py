@@ -21,8 +21,8 @@ import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import PolicyError, WrapError  # noqa: E402
 from mixprec.kit import BACKWARD_FORMAT, FORWARD_FORMAT, FP8_RECIPES  # noqa: E402
 from mixprec_numpy import fp8 as reference  # noqa: E402
-from mixprec_torch.fp8_linear import FP8Forward, FP8LinearFunction  # noqa: E402
-from mixprec_torch.fp8_numerics import quantise  # noqa: E402
+from mixprec_torch.fp8.linear import FP8Forward, FP8LinearFunction  # noqa: E402
+from mixprec_torch.fp8.numerics import quantise  # noqa: E402
 
 
 def _nasty(rows: int, cols: int, seed: int = 0) -> torch.Tensor:

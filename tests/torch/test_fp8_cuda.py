@@ -22,8 +22,8 @@ from torch import nn  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.kit import FP8_RECIPES  # noqa: E402
-from mixprec_torch.fp8_linear import FP8LinearFunction  # noqa: E402
-from mixprec_torch.fp8_numerics import native_gemms, quantise  # noqa: E402
+from mixprec_torch.fp8.linear import FP8LinearFunction  # noqa: E402
+from mixprec_torch.fp8.numerics import native_gemms, quantise  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.cuda]
 

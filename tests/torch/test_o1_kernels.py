@@ -66,7 +66,7 @@ def _step_digest(dtype: torch.dtype) -> list[str]:
 def reference() -> dict[str, list[str]]:
     """Every family's probes under plain ``torch.autocast`` (bfloat16 and float16 on the
     CPU), with every input-dtype mix the probes use, and the step: dtype and bits."""
-    from mixprec_torch.probes import PROBES, probe_configs
+    from mixprec_torch.o1.probes import PROBES, probe_configs
 
     out: dict[str, list[str]] = {}
     for dtype in (torch.bfloat16, torch.float16):
@@ -102,7 +102,7 @@ def test_plain_autocast_outside_wrapped_models_is_torchs_own_op_by_op() -> None:
         for policy in ("O1-bf16", "O1", "torch-autocast-cpu"):
             mixprec.torch.wrap(nn.Linear(2, 2), policy=policy)
         mixprec.torch.wrap(nn.Linear(2, 2), policy=mixprec.get_policy("O1-bf16").with_ops(**EDITED))
-    from mixprec_torch.kernels import installed
+    from mixprec_torch.o1.autocast_kernels import installed
 
     # mixprec's kernels now sit where autocast has kernels of its own, and where it has none
     assert installed(("aten::linear", "cpu", "Autocast")) is not None

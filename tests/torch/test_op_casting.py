@@ -15,8 +15,8 @@ import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import PolicyError  # noqa: E402
 from mixprec_torch.dtypes import dtype_name, torch_dtype  # noqa: E402
+from mixprec_torch.o1.probes import PROBES, result_dtype  # noqa: E402
 from mixprec_torch.ops import supported_ops  # noqa: E402
-from mixprec_torch.probes import PROBES, result_dtype  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -150,7 +150,7 @@ def seen_under(policy: mixprec.Policy) -> dict[str, Any]:
 
 
 def expected(policy: mixprec.Policy, net: nn.Module, name: str, op: str) -> torch.dtype:
-    from mixprec_torch.casting import class_names
+    from mixprec_torch.wrapping.casting import class_names
 
     module = net.get_submodule(name)
     return torch_dtype(policy.decide(op, ("float32",), name, class_names(module)).dtype)

@@ -11,10 +11,10 @@ from _torch_nets import batch, mlp  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
-from mixprec_torch.autocast import intercepted_ops  # noqa: E402
 from mixprec_torch.dtypes import torch_dtype  # noqa: E402
+from mixprec_torch.o1.autocast import intercepted_ops  # noqa: E402
+from mixprec_torch.o1.probes import autocast_dtypes  # noqa: E402
 from mixprec_torch.presets import torch_autocast_policy  # noqa: E402
-from mixprec_torch.probes import autocast_dtypes  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -267,7 +267,7 @@ def test_a_policy_dtype_the_device_cannot_compute_is_refused_untouched(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As on a pre-Ampere GPU asked for bfloat16: the error names a policy that would work."""
-    import mixprec_torch.planning as planning
+    import mixprec_torch.wrapping.planning as planning
 
     fp16_only = mixprec.DeviceCapability("cpu", ("float32", "float16"), ("float16",))
     monkeypatch.setattr(planning, "device_capability", lambda device: fp16_only)
@@ -340,8 +340,8 @@ def test_the_same_code_runs_float16_on_cuda() -> None:
 def test_the_plan_decides_everything_and_changes_nothing() -> None:
     """wrap = plan (every check, the dtypes and masters decided) + apply; the plan alone
     leaves model and optimizer as they were, and applying it gives what wrap gives."""
-    from mixprec_torch.planning import check_arguments, first_device, plan_wrap
-    from mixprec_torch.wrapping import apply_plan
+    from mixprec_torch.wrapping.planning import check_arguments, first_device, plan_wrap
+    from mixprec_torch.wrapping.wrap import apply_plan
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,0 +1,324 @@
+"""The fused update of compensated bfloat16 weights for torch's SGD, Adam and AdamW (CPU).
+
+The generic path (:class:`~mixprec_torch.compensated.compensation.Compensation`) runs any optimizer
+on float32 working masters: fill them from the bfloat16 weights, let the optimizer update them,
+round them back; about six sweeps over the parameters besides the update itself. For
+``torch.optim.SGD``, ``Adam`` and ``AdamW`` on the CPU (no ``amsgrad``, ``capturable`` or
+``differentiable``) this module replaces all of it with one pass per tensor that reads the
+bfloat16 weight, its compensation (kahan), the gradient and the optimizer state, applies the
+optimizer's update rule in float32 and writes them back: rounded to nearest with the residual
+kept (kahan), or rounded stochastically (stochastic; the state too under
+``state="bfloat16"``). Float32 parameters of the same optimizer (modules pinned to float32)
+are updated in place by the same pass.
+
+The update rule is the optimizer's, each float32 operation rounded once (SGD: weight decay,
+momentum with dampening, Nesterov, ``maximize``; Adam: ``m += (g - m)(1 - b1)``,
+``v = v b2 + g² (1 - b2)``, ``x -= (m / (√v / √(1 - b2ᵗ) + eps)) lr / (1 - b1ᵗ)`` with the
+reciprocal square root of the bias correction as a float32 factor; AdamW's decoupled decay
+``x *= 1 - lr wd``). It agrees with torch's own implementations to a few float32 ulps, not
+bit for bit (torch's kernels fuse some of these operations differently per CPU). The optimizer
+state keeps torch's format (``step``, ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), so
+checkpoints move between this path, the generic path and an unwrapped optimizer.
+
+Two implementations give the same bits: the native kernel (:func:`mixprec_torch.cpu.clib.update`,
+one call for all tensors) and :func:`_run_torch`, the same operations as torch calls, used where
+the kernel cannot be built.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cpu import clib
+from ..cpu.noise import round_stochastic_
+from ..step.optimizer_state import base_class
+from ..torch_private import foreach_add_
+
+__all__ = ["FusedParam", "fusable", "run"]
+
+_SGD, _ADAM = 0, 1
+PLAIN, KAHAN, STOCHASTIC = 0, 1, 2
+_ALGOS: dict[type, int] = {
+    torch.optim.SGD: _SGD,
+    torch.optim.Adam: _ADAM,
+    torch.optim.AdamW: _ADAM,
+}
+
+
+@dataclass
+class FusedParam:
+    """How the fused pass sees one of the optimizer's parameters."""
+
+    weight: torch.Tensor
+    """The bfloat16 model parameter (kahan, stochastic) or the float32 parameter (plain)."""
+    comp: torch.Tensor | None
+    """Kahan: the bfloat16 compensation (a view of the flat buffer)."""
+    index: int
+    """The position of its first element in the device's noise pass."""
+    mode: int
+    """PLAIN, KAHAN or STOCHASTIC."""
+    bf16_state: bool
+    """The optimizer state of this parameter is kept in bfloat16 (``state="bfloat16"``)."""
+
+
+def _is_cpu_float(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+
+
+def fusable(
+    optimizer: torch.optim.Optimizer, lookup: Callable[[torch.Tensor], FusedParam | None]
+) -> bool:
+    """Whether every parameter group of ``optimizer`` can take the fused update.
+
+    :param lookup: the compensated view of a parameter of the optimizer (a master), None for
+        a parameter the strategy does not handle (which must then be a float32 CPU tensor).
+    """
+    algo = _ALGOS.get(base_class(optimizer))
+    if algo is None:
+        return False
+    for group in optimizer.param_groups:
+        if group.get("differentiable") or group.get("capturable") or group.get("amsgrad"):
+            return False
+        if algo == _ADAM and not all(isinstance(b, float) for b in group["betas"]):
+            return False
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.device.type != "cpu"):
+            return False
+        for master in group["params"]:
+            found = lookup(master)
+            if found is None:
+                if not _is_cpu_float(master, torch.float32):
+                    return False
+            elif found.weight.device.type != "cpu" or not found.weight.is_contiguous():
+                return False
+    return True
+
+
+@dataclass
+class _Item:
+    param: FusedParam
+    grad: torch.Tensor
+    s0: torch.Tensor | None
+    s1: torch.Tensor | None
+    step_size: float = 0.0
+    inv_bc2: float = 0.0
+    first: bool = False
+
+
+def _zeros(like: torch.Tensor, bf16: bool) -> torch.Tensor:
+    return torch.zeros(like.shape, dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+def _state_tensor(state: dict[str, Any], key: str, like: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """``state[key]`` in the dtype and layout the pass needs (fixed in place when not)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor) or value.shape != like.shape:
+        value = state[key] = _zeros(like, bf16)
+    elif value.dtype != dtype or not value.is_contiguous() or value.device.type != "cpu":
+        value = state[key] = value.detach().to(device="cpu", dtype=dtype).contiguous()
+    return value
+
+
+def _items(
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    algo: int,
+    lookup: Callable[[torch.Tensor], FusedParam | None],
+    grad_of: Callable[[torch.Tensor, FusedParam | None], torch.Tensor | None],
+) -> list[_Item]:
+    items: list[_Item] = []
+    momentum = group.get("momentum", 0.0)
+    steps: list[torch.Tensor] = []
+    for master in group["params"]:
+        found = lookup(master)
+        grad = grad_of(master, found)
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise RuntimeError("sparse gradients take the generic path")  # checked before
+        param = found or FusedParam(master, None, 0, PLAIN, False)
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        state = optimizer.state[master]
+        if algo == _ADAM:
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            steps.append(state["step"])
+            s0 = _state_tensor(state, "exp_avg", grad, param.bf16_state)
+            s1 = _state_tensor(state, "exp_avg_sq", grad, param.bf16_state)
+            items.append(_Item(param, grad, s0, s1))
+        elif momentum != 0.0:
+            buf = state.get("momentum_buffer")
+            first = not isinstance(buf, torch.Tensor) or buf.shape != grad.shape
+            if first:
+                buf = state["momentum_buffer"] = torch.empty(
+                    grad.shape, dtype=torch.bfloat16 if param.bf16_state else torch.float32
+                )
+            else:
+                buf = _state_tensor(state, "momentum_buffer", grad, param.bf16_state)
+            items.append(_Item(param, grad, buf, None, first=first))
+        else:
+            items.append(_Item(param, grad, None, None))
+    if steps:  # torch's single-tensor Adam: step += 1, then the bias corrections in float64
+        foreach_add_(steps, 1.0)
+        beta1, beta2 = group["betas"]
+        lr = float(group["lr"])
+        cache: dict[float, tuple[float, float]] = {}
+        for item, count in zip(items, torch.stack(steps).tolist(), strict=True):
+            if count not in cache:
+                cache[count] = (
+                    lr / (1.0 - beta1**count),
+                    1.0 / math.sqrt(1.0 - beta2**count),
+                )
+            item.step_size, item.inv_bc2 = cache[count]
+    return items
+
+
+def _hyper(group: dict[str, Any], algo: int, keys: Sequence[int]) -> clib.Hyper:
+    lr = float(group["lr"])
+    wd = float(group.get("weight_decay", 0.0))
+    hyper = clib.Hyper()
+    hyper.algo = algo
+    hyper.maximize = int(bool(group.get("maximize", False)))
+    hyper.lr = lr
+    hyper.weight_decay = wd
+    hyper.key_w, hyper.key_s0, hyper.key_s1 = keys
+    if algo == _ADAM:
+        beta1, beta2 = group["betas"]
+        hyper.decoupled = int(bool(group.get("decoupled_weight_decay", False)))
+        hyper.decay_mul = 1.0 - lr * wd
+        hyper.beta1, hyper.omb1 = beta1, 1.0 - beta1
+        hyper.beta2, hyper.omb2 = beta2, 1.0 - beta2
+        hyper.eps = float(group["eps"])
+    else:
+        hyper.momentum = float(group.get("momentum", 0.0))
+        hyper.omd = 1.0 - float(group.get("dampening", 0.0))
+        hyper.nesterov = int(bool(group.get("nesterov", False)))
+    return hyper
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _run_native(lib: Any, items: list[_Item], hyper: clib.Hyper) -> None:
+    codes = clib.DTYPE_CODES
+    starts = array.array("q", [0])
+    for item in items:
+        starts.append(starts[-1] + item.grad.numel())
+    arrays: dict[str, array.array[Any]] = {
+        "w": array.array("Q", [i.param.weight.data_ptr() for i in items]),
+        "c": array.array("Q", [_ptr(i.param.comp) for i in items]),
+        "g": array.array("Q", [i.grad.data_ptr() for i in items]),
+        "s0": array.array("Q", [_ptr(i.s0) for i in items]),
+        "s1": array.array("Q", [_ptr(i.s1) for i in items]),
+        "starts": starts,
+        "index": array.array("q", [i.param.index for i in items]),
+        "step_size": array.array("f", [i.step_size for i in items]),
+        "inv_bc2": array.array("f", [i.inv_bc2 for i in items]),
+        "wmode": array.array("i", [i.param.mode for i in items]),
+        "gdt": array.array("i", [codes[i.grad.dtype] for i in items]),
+        "sdt": array.array("i", [int(i.param.bf16_state) for i in items]),
+        "first": array.array("i", [int(i.first) for i in items]),
+    }
+    fields = clib.Items(**{k: v.buffer_info()[0] for k, v in arrays.items()})
+    clib.update(lib, len(items), fields, hyper)
+
+
+def _store_state(target: torch.Tensor, value: torch.Tensor, key: int, index: int) -> None:
+    if target.dtype == torch.bfloat16:
+        round_stochastic_(value, key, index)  # exact in bfloat16 now
+    target.copy_(value)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as the kernel receives it."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _run_torch(items: list[_Item], hyper: clib.Hyper) -> None:
+    """The kernel's arithmetic with torch operations: the same bits, more passes."""
+    lr, wd = _f32(hyper.lr), _f32(hyper.weight_decay)
+    for item in items:
+        p = item.param
+        w = p.weight
+        x = w.float()  # every operation below is out of place: w itself is written last
+        if p.mode == KAHAN:
+            assert p.comp is not None
+            x = x + p.comp.float()
+        g = item.grad.float()
+        if hyper.maximize:
+            g = g.neg()
+        if hyper.algo == _ADAM:
+            assert item.s0 is not None and item.s1 is not None
+            if wd != 0.0:
+                if hyper.decoupled:
+                    x = x * _f32(hyper.decay_mul)
+                else:
+                    g = g + x * wd
+            m = item.s0.float()
+            v = item.s1.float()
+            m = m + (g - m) * _f32(hyper.omb1)
+            v = v * _f32(hyper.beta2) + (g * g) * _f32(hyper.omb2)
+            # correctly rounded, as the kernel's sqrtf: torch's float32 sqrt on the CPU is
+            # not (it differs from IEEE in about one element in five, and between CPU builds)
+            d = v.double().sqrt().float() * _f32(item.inv_bc2) + _f32(hyper.eps)
+            x = x - (m / d) * _f32(item.step_size)
+            _store_state(item.s1, v, hyper.key_s1, p.index)
+            _store_state(item.s0, m, hyper.key_s0, p.index)
+        else:
+            if wd != 0.0:
+                g = g + x * wd
+            if item.s0 is not None:
+                momentum = _f32(hyper.momentum)
+                if item.first:
+                    buf = g.clone()
+                else:
+                    buf = item.s0.float() * momentum + g * _f32(hyper.omd)
+                _store_state(item.s0, buf.clone(), hyper.key_s0, p.index)
+                g = g + buf * momentum if hyper.nesterov else buf
+            x = x - g * lr
+        if p.mode == PLAIN:
+            w.copy_(x)
+        elif p.mode == KAHAN:
+            assert p.comp is not None
+            rounded = x.to(torch.bfloat16)
+            w.copy_(rounded)
+            p.comp.copy_(x - rounded.float())
+        else:
+            round_stochastic_(x, hyper.key_w, p.index)
+            w.copy_(x)
+
+
+def run(
+    optimizer: torch.optim.Optimizer,
+    lookup: Callable[[torch.Tensor], FusedParam | None],
+    grad_of: Callable[[torch.Tensor, FusedParam | None], torch.Tensor | None],
+    keys: Sequence[int],
+) -> None:
+    """The fused update of every parameter group (call :func:`fusable` first).
+
+    :param lookup: as for :func:`fusable`.
+    :param grad_of: the gradient the update applies for a parameter (a master) of the
+        optimizer, None to leave it (and its state) untouched this step, as torch does.
+    :param keys: the noise keys of the weights' pass and the two state slots.
+    """
+    algo = _ALGOS[base_class(optimizer)]
+    lib = clib.library()
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            items = _items(optimizer, group, algo, lookup, grad_of)
+            if not items:
+                continue
+            hyper = _hyper(group, algo, keys)
+            if lib is not None:
+                _run_native(lib, items, hyper)
+            else:
+                _run_torch(items, hyper)

@@ -1,0 +1,442 @@
+"""Checkpoints: ``model.state_dict()`` holds exact float32 values whatever the opt level.
+
+Two hooks on each wrapped model:
+
+- a state-dict post-hook puts each parameter's float32 master in place of the
+  low-precision parameter (exact values, never upcast float16), and upcasts what has no
+  master (O3's parameters, cast buffers) to float32, using the buffer's original float32
+  value when the buffer was not changed since wrap. A parameter that no longer equals its
+  master rounded to its dtype was changed outside ``optimizer.step()`` (an EMA update, a
+  re-initialisation): its own value, upcast, is saved instead of the stale master;
+- a load pre-hook writes the incoming values into the masters first; PyTorch's loader then
+  copies them into the model parameters, casting to their dtype.
+
+So a wrapped model loads a plain float32 state dict, and a plain model loads a wrapped
+model's state dict. ``optimizer.state_dict()`` carries the loss-scaler state, the step
+tracker and the resolved policy under the ``"mixprec"`` key
+(:func:`optimizer_state_dict` and :func:`load_optimizer_state_dict`, the ``state_dict`` and
+``load_state_dict`` of the patched optimizer class). ``mixprec.torch.save`` is ``torch.save``
+written atomically (temporary file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import IO, Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import CheckpointError, MixprecError, MixprecWarning, WrapError
+from mixprec.kit import LossScaler, MasterWeights, Policy, atomic_path
+
+from ..copies import CopyOnly
+from ..torch_private import load_strict, tensor_version
+from .optimizer_state import StepCompensation, base_class
+
+__all__ = [
+    "ModelCheckpoint",
+    "load_optimizer_state_dict",
+    "optimizer_state_dict",
+    "save",
+]
+
+_STATE_KEY = "mixprec"
+"""The optimizer state dict's entry for mixprec's part."""
+_FORMAT = 1
+
+
+class ModelCheckpoint(CopyOnly):
+    """The state-dict hooks of one wrapped model.
+
+    :param model: the root module.
+    :param masters: the wrap call's master map (a parameter that is its own master has no
+        separate float32 copy).
+    :param buffers: (qualified module name, buffer name) -> the buffer's float32 value from
+        before it was cast at wrap time.
+    :param compensation: under ``master=kahan|stochastic``, the strategy: it saves the best
+        float32 value it knows (weight + compensation) and splits a loaded one.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        masters: MasterWeights[torch.Tensor],
+        buffers: dict[tuple[str, str], torch.Tensor],
+        compensation: StepCompensation | None = None,
+    ) -> None:
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        self.masters = masters
+        self.compensation = compensation
+        modules = dict(model.named_modules(remove_duplicate=False))
+        self.buffers: dict[str, tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = {}
+        for (mname, bname), original in buffers.items():
+            module = modules[mname]
+            current = _buffer(module, bname)
+            if current is None:
+                continue
+            key = f"{mname}.{bname}" if mname else bname
+            self.buffers[key] = (module, bname, original, current, tensor_version(current))
+        self._handles = [
+            model.register_state_dict_post_hook(_Hook(self, "save_hook")),
+            model.register_load_state_dict_pre_hook(_Hook(self, "load_hook")),
+        ]
+
+    def _after_deepcopy(self, new: ModelCheckpoint) -> None:
+        # a copied tensor starts a new version count: a buffer unchanged since wrap here is
+        # unchanged in the copy too, so the copy still saves its float32 original
+        for name, (_mod, _bname, _original, cast, version) in self.buffers.items():
+            mod, bname, original, copied, _ = new.buffers[name]
+            if _buffer(_mod, _bname) is cast and tensor_version(cast) == version:
+                new.buffers[name] = (mod, bname, original, copied, tensor_version(copied))
+            else:
+                new.buffers[name] = (mod, bname, original, copied, -1)
+
+    def _master_of(self, param: nn.Parameter) -> torch.Tensor:
+        """The master of ``param``; ``param`` itself when it has none, or when this hook was
+        deep-copied with its model (the copy's parameters are new objects, not in the map)."""
+        try:
+            return self.masters.master_for(param)
+        except WrapError:
+            return param
+
+    def save_hook(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        for name, param in self.params.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+                continue  # absent, or keep_vars=True: the caller asked for the live objects
+            best = None if self.compensation is None else self.compensation.best(param)
+            if best is not None:
+                state_dict[key] = best
+                continue
+            master = self._master_of(param)
+            if master is not param and _rounds_to(master, param):
+                state_dict[key] = master.detach()
+            elif value.is_floating_point() and value.dtype != torch.float32:
+                state_dict[key] = value.float()
+        for name, (mod, bname, original, cast, version) in self.buffers.items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            current = _buffer(mod, bname)
+            if (
+                current is cast
+                and tensor_version(current) == version
+                and _unchanged(cast, original)
+            ):
+                state_dict[key] = original
+            elif value.is_floating_point() and value.dtype != torch.float32:
+                state_dict[key] = value.float()
+
+    def load_hook(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise CheckpointError(
+                "load_state_dict(..., assign=True) would replace the parameters mixprec "
+                "converted (and the optimizer's masters would stop tracking them); load "
+                "without assign=True: values are copied and cast into the wrapped model"
+            )
+        # before any master or param moves; PyTorch passes strict=True to every hook
+        check_loadable(module, state_dict, prefix, strict=load_strict() is not False)
+        with torch.no_grad():
+            for name, param in self.params.items():
+                master = self._master_of(param)
+                value = state_dict.get(prefix + name)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if self.compensation is not None and value.shape == param.shape:
+                    # the working masters have no storage between steps: split the value
+                    # into the bfloat16 weight (which the loader copies next) and its
+                    # compensation instead
+                    weight = self.compensation.split_loaded(param, value)
+                    if weight is not None:
+                        state_dict[prefix + name] = weight
+                        continue
+                if master is param:
+                    continue
+                if value.shape == master.shape:  # a mismatch is reported by the loader
+                    master.copy_(value)
+            for name, entry in list(self.buffers.items()):
+                value = state_dict.get(prefix + name)
+                mod, bname, original, cast, _ = entry
+                if isinstance(value, torch.Tensor) and value.shape == original.shape:
+                    fresh = value.detach().to(device=original.device, dtype=original.dtype).clone()
+                    # the loader copies the value into the buffer next, bumping its version once
+                    self.buffers[name] = (mod, bname, fresh, cast, tensor_version(cast) + 1)
+
+    def remove(self) -> None:
+        """Remove the two state-dict hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def check_loadable(module: nn.Module, state_dict: Any, prefix: str, strict: bool) -> None:
+    """Refuse, before anything is copied, a state dict PyTorch's loader would refuse only
+    after copying every other entry: a shape that differs from the model's, a value that is
+    no tensor, and (``strict``) a missing or unexpected key. PyTorch raises its
+    ``RuntimeError`` at the end, with the matching entries already written into the model
+    (and, under mixprec, their masters).
+
+    Keys are those of ``module.state_dict()``; what PyTorch's own loaders forgive is
+    forgiven: a missing ``num_batches_tracked`` of a checkpoint saved before it existed
+    (BatchNorm fills it in), and everything under a module that overrides
+    ``_load_from_state_dict`` (it may read other keys).
+
+    :raises CheckpointError: naming the first mismatches and the fix.
+    """
+    expected = module.state_dict(prefix=prefix, keep_vars=True)
+    own = _custom_loaders(module, prefix)
+    problems: list[str] = []
+    for key, current in expected.items():
+        if key not in state_dict:
+            if strict and not _forgiven_missing(key, own, state_dict):
+                problems.append(f"missing {key!r}")
+            continue
+        value = state_dict[key]
+        if key.endswith("_extra_state") or not isinstance(current, torch.Tensor):
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
+        elif not _is_lazy(current) and (value.shape != current.shape):
+            problems.append(
+                f"{key!r} has shape {list(value.shape)}, the model's {list(current.shape)}"
+            )
+    if strict:
+        problems += [
+            f"unexpected {key!r}"
+            for key in state_dict
+            if isinstance(key, str)
+            and key.startswith(prefix)
+            and key not in expected
+            and not any(key.startswith(p) for p in own)
+        ]
+    if problems:
+        shown = "; ".join(problems[:6]) + (
+            f"; and {len(problems) - 6} more" if len(problems) > 6 else ""
+        )
+        raise CheckpointError(
+            f"the state dict does not match the model ({shown}); nothing was loaded: the "
+            "model's parameters and float32 masters are unchanged. Load the checkpoint of "
+            "this architecture; strict=False skips missing and unexpected keys (a shape "
+            "mismatch never loads)"
+        )
+
+
+def _is_lazy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a lazy module's parameter or buffer without a shape yet."""
+    return isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
+
+
+def _custom_loaders(module: nn.Module, prefix: str) -> list[str]:
+    """The key prefixes of submodules whose class overrides ``_load_from_state_dict`` (other
+    than BatchNorm's, whose one addition :func:`_forgiven_missing` knows)."""
+    plain = (nn.Module._load_from_state_dict, _NORM_LOAD)
+    return [
+        f"{prefix}{name}." if name else prefix
+        for name, sub in module.named_modules()
+        if type(sub)._load_from_state_dict not in plain
+    ]
+
+
+_NORM_LOAD = nn.modules.batchnorm._NormBase._load_from_state_dict
+
+
+def _forgiven_missing(key: str, own: list[str], state_dict: Any) -> bool:
+    """Whether PyTorch's loader itself fills in or reads around a missing ``key``."""
+    if any(key.startswith(p) for p in own):
+        return True
+    if key.endswith(".num_batches_tracked") or key == "num_batches_tracked":
+        owner = key.rpartition(".")[0]
+        version = getattr(state_dict, "_metadata", {}).get(owner, {}).get("version")
+        return version is None or version < 2  # BatchNorm adds it for older checkpoints
+    return False
+
+
+class _Hook(CopyOnly):
+    """A hook object (torch marks state-dict hooks with an attribute; methods take none)."""
+
+    def __init__(self, owner: ModelCheckpoint, method: str) -> None:
+        self.owner = owner
+        self.method = method
+
+    def __call__(self, *args: Any) -> None:
+        getattr(self.owner, self.method)(*args)
+
+
+def _buffer(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The module's buffer ``name`` (None when it was set to None or is no longer a tensor)."""
+    value = getattr(module, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _rounds_to(master: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``param`` still equals ``master`` rounded to the param's dtype."""
+    if master.shape != param.shape:
+        return False
+    return bool(torch.equal(master.detach().to(param.dtype), param.detach()))
+
+
+# ------------------------------------------------------------------------------------------
+# The optimizer's state dict
+
+
+def optimizer_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict plus mixprec's: scaler, step tracker, resolved policy."""
+    sd: dict[str, Any] = base_class(self).state_dict(self)
+    st = getattr(self, "_mixprec", None)
+    if st is not None:
+        sd[_STATE_KEY] = {
+            "format": _FORMAT,
+            "scaler": st.group.scaler.state_dict(),
+            "tracker": {"steps": st.tracker.steps},
+            "policy": st.group.policy.to_dict(),
+        }
+        if st.group.compensation is not None:
+            sd[_STATE_KEY]["compensation"] = st.group.compensation.state_dict()
+        if st.group.fp8 is not None:
+            sd[_STATE_KEY]["fp8"] = st.group.fp8.state_dict()
+    return sd
+
+
+def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load an optimizer state dict; mixprec's part (if any) restores scaler and tracker.
+
+    A plain PyTorch state dict (no ``"mixprec"`` entry) loads too; the scaler then keeps its
+    current state. The ``"mixprec"`` entry is checked whole before anything is loaded: a
+    malformed one raises :class:`CheckpointError` with the optimizer state, the scale and
+    the step count unchanged.
+    """
+    state_dict = dict(state_dict)
+    extra = state_dict.pop(_STATE_KEY, None)
+    st = getattr(self, "_mixprec", None)
+    steps = None
+    if extra is not None and st is not None:
+        if not isinstance(extra, dict):
+            raise CheckpointError(
+                f"the optimizer state dict's 'mixprec' entry is a {type(extra).__name__}, not "
+                f"a dict; {_HINT}"
+            )
+        saved_policy = extra.get("policy")
+        if saved_policy is not None:
+            saved = _saved_policy(saved_policy)
+            if saved != st.group.policy:
+                warnings.warn(
+                    f"the checkpoint was saved under policy {saved} but this optimizer is "
+                    f"wrapped with {st.group.policy}; training continues with the current "
+                    "policy. Wrap with the saved policy (optimizer.state_dict()['mixprec']"
+                    "['policy']) to resume exactly",
+                    MixprecWarning,
+                    stacklevel=2,
+                )
+        steps = _check_entry(extra, st.group.scaler, st.tracker.steps)
+        if st.group.compensation is not None and "compensation" in extra:
+            st.group.compensation.check_state_dict(extra["compensation"])
+        if st.group.fp8 is not None and "fp8" in extra:
+            st.group.fp8.check_state_dict(extra["fp8"])
+    if st is not None:
+        _check_finite_state(state_dict.get("state"))
+    base = base_class(self)
+    base.load_state_dict(self, state_dict)
+    if st is not None and st.group.compensation is not None:
+        st.group.compensation.adopt_state(self)  # torch cast a bfloat16 state to float32
+    if extra is not None and st is not None and steps is not None:
+        st.group.scaler.load_state_dict(extra["scaler"])
+        if st.group.compensation is not None and "compensation" in extra:
+            st.group.compensation.load_state_dict(extra["compensation"])
+        if st.group.fp8 is not None and "fp8" in extra:
+            st.group.fp8.load_state_dict(extra["fp8"])
+        st.tracker.reset()
+        st.tracker.steps = steps
+        st.round = None
+        st.found_inf = []
+
+
+_HINT = "save it with optimizer.state_dict() of an optimizer wrapped by mixprec.torch.wrap"
+
+
+def _check_entry(extra: dict[str, Any], scaler: LossScaler, steps: int) -> int:
+    """Check the ``"mixprec"`` entry without changing anything; return the saved step count."""
+    hint = _HINT
+    if "scaler" not in extra:
+        raise CheckpointError(
+            f"the optimizer state dict's 'mixprec' entry has no 'scaler' (it holds "
+            f"{sorted(map(str, extra))}); {hint}"
+        )
+    try:
+        # a probe scaler takes the state first, so a malformed one raises before any change
+        LossScaler(scaler.state.fresh()).load_state_dict(extra["scaler"])
+    except CheckpointError as err:
+        raise CheckpointError(f"the optimizer state dict's 'mixprec' entry: {err}") from err
+    tracker = extra.get("tracker", {"steps": steps})
+    saved = tracker.get("steps", steps) if isinstance(tracker, dict) else None
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 0:
+        raise CheckpointError(
+            f"the optimizer state dict's 'mixprec' entry has tracker {tracker!r}; expected "
+            f"{{'steps': <non-negative int>}}; {hint}"
+        )
+    return saved
+
+
+def _check_finite_state(state: Any) -> None:
+    """Refuse optimizer state holding an inf or NaN (a damaged checkpoint): loaded, Adam's
+    moments would put it into the weights at the next step, which the guard cannot see (it
+    checks gradients). One host read per state tensor, at load time only."""
+    if not isinstance(state, dict):
+        return  # PyTorch's own loader names a malformed state
+    for index, values in state.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and not bool(torch.isfinite(value).all())
+            ):
+                raise CheckpointError(
+                    f"the optimizer state dict holds an inf or NaN (parameter {index}, "
+                    f"{key!r}); loaded, it would reach the weights at the next step. The "
+                    "checkpoint is damaged: load an earlier one (nothing was loaded)"
+                )
+
+
+def _saved_policy(data: Any) -> Policy:
+    try:
+        return Policy.from_dict(data)
+    except (MixprecError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(
+            f"the optimizer state dict's 'mixprec' entry holds a malformed policy ({err}); {_HINT}"
+        ) from err
+
+
+def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], **kwargs: Any) -> None:
+    """``torch.save(obj, f)``, atomic when ``f`` is a path: a temporary file in the same
+    folder is written, fsynced and renamed over ``f``, so a save that is killed or fails
+    half-way leaves the previous checkpoint whole (:mod:`mixprec.atomic`). A file object is
+    passed straight to ``torch.save``."""
+    if isinstance(f, (str, os.PathLike)):
+        with atomic_path(f) as tmp:
+            torch.save(obj, tmp, **kwargs)
+    else:
+        torch.save(obj, f, **kwargs)
+
+
+def _unchanged(cast: torch.Tensor, original: torch.Tensor) -> bool:
+    """Whether ``cast`` still holds ``original`` rounded to its dtype. The version counter
+    alone does not tell: the CPU batch-norm kernel updates low-precision running statistics
+    in place without bumping it."""
+    return bool(torch.equal(cast, original.to(device=cast.device, dtype=cast.dtype)))
