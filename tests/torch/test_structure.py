@@ -1,9 +1,10 @@
-"""The PyTorch backend's shape: its imports form a DAG of at most 8 floors, within the package
-they are relative, private torch names appear only in ``torch_private.py``, and the module
-table in docs/architecture.md lists exactly the files there are.
+"""The PyTorch backend's shape, besides the import-linter contracts that keep its wings in
+order (pyproject.toml, ``make lint``): within the package imports are relative, private torch
+names appear only in ``torch_private.py``, a wing's ``__init__.py`` is a docstring, no wing or
+module shadows a lazy export, and the module table in docs/architecture.md lists exactly the
+files there are, each on its wing's floor of the contract.
 
-Reads the sources with :mod:`ast` (every import: module level, inside functions and under
-``TYPE_CHECKING``), so it needs no torch and fails on the import that brought a circle back.
+Reads the sources with :mod:`ast`, so it needs no torch.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import ast
 import re
 from pathlib import Path
 
-from floors import floors_of
+import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKEND = ROOT / "backends" / "torch"
 PACKAGE = "mixprec_torch"
-MAX_FLOORS = 8
 
 # Attribute names private to torch that the backend may use only through torch_private.py.
 PRIVATE_ATTRS = {
@@ -45,68 +50,6 @@ def _modules() -> dict[str, ast.Module]:
     return {
         _name(p): ast.parse(p.read_text(encoding="utf-8")) for p in sorted(BACKEND.rglob("*.py"))
     }
-
-
-def _package_of(name: str) -> list[str]:
-    """The package a module's relative imports start from (its own for an ``__init__``)."""
-    return name.split("/")[:-1]
-
-
-def _resolve(parts: list[str], known: set[str]) -> str | None:
-    """The backend module ``parts`` names: a module, or a wing by its ``__init__``."""
-    for target in ("/".join(parts), "/".join([*parts, "__init__"])):
-        if target in known:
-            return target
-    return None
-
-
-def _imports(name: str, tree: ast.Module, known: set[str]) -> dict[str, int]:
-    """Backend modules this module imports -> the line of the first such import."""
-    found: dict[str, int] = {}
-    for node in ast.walk(tree):
-        targets: list[str | None] = []
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                package = _package_of(name)
-                base = package[: len(package) - node.level + 1]
-                module = node.module or ""
-            elif node.module and (node.module == PACKAGE or node.module.startswith(PACKAGE + ".")):
-                base, module = [], node.module.removeprefix(PACKAGE).lstrip(".")
-            else:
-                continue
-            parts = base + (module.split(".") if module else [])
-            for alias in node.names:
-                # ``from .o1 import autocast`` imports the module; ``from .dtypes import x`` a name
-                targets.append(_resolve([*parts, alias.name], known) or _resolve(parts, known))
-        elif isinstance(node, ast.Import):
-            targets = [
-                _resolve(a.name.split(".")[1:], known)
-                for a in node.names
-                if a.name.startswith(PACKAGE + ".")
-            ]
-        for target in targets:
-            if target is not None:
-                found.setdefault(target, node.lineno)
-    return found
-
-
-def floors() -> dict[str, int]:
-    """Each backend module's floor: 1 + the highest floor it imports (1 for none).
-
-    :raises AssertionError: naming the circle, when the imports are not a DAG.
-    """
-    modules = _modules()
-    graph = {
-        name: set(_imports(name, tree, set(modules) - {name})) for name, tree in modules.items()
-    }
-    return floors_of(graph, PACKAGE)
-
-
-def test_the_backend_imports_form_a_dag_of_at_most_eight_floors() -> None:
-    result = floors()
-    top = max(result.values())
-    by_floor = {f: sorted(n for n, g in result.items() if g == f) for f in range(1, top + 1)}
-    assert top <= MAX_FLOORS, f"{PACKAGE} has {top} floors (at most {MAX_FLOORS}): {by_floor}"
 
 
 def test_imports_within_the_backend_are_relative() -> None:
@@ -157,20 +100,61 @@ def _tabled() -> list[str]:
     return [name for name in _modules() if not name.endswith("/__init__")]
 
 
-def test_the_architecture_page_lists_every_module_with_its_floor() -> None:
+def _wing_floors() -> dict[str, int]:
+    """Each top-level module or wing -> its floor in the wings contract (1 at the bottom)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    (contract,) = [
+        c
+        for c in config["tool"]["importlinter"]["contracts"]
+        if c["type"] == "layers" and c.get("containers") == [PACKAGE]
+    ]
+    assert not contract.get("ignore_imports"), "the wings admit no exception"
+    layers = contract["layers"]  # top floor first
+    return {
+        name.strip(): len(layers) - index
+        for index, layer in enumerate(layers)
+        for name in re.split(r"[|:]", layer)
+    }
+
+
+def test_the_architecture_page_lists_every_module_on_its_wings_floor() -> None:
     documented = _documented_modules()
     assert sorted(documented) == sorted(_tabled()), (
         "docs/architecture.md's PyTorch module table must list exactly the files of "
         f"backends/torch: missing {sorted(set(_tabled()) - set(documented))}, "
         f"stale {sorted(set(documented) - set(_tabled()))}"
     )
+    floors = _wing_floors()
+    floors["__init__"] = max(floors.values()) + 1  # the package itself imports every wing
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-    for name, floor in floors().items():
-        if name.endswith("/__init__"):
-            continue
+    for name in documented:
+        floor = floors[name.split("/")[0]]
         assert re.search(rf"\| `{name}\.py` \| {floor} \|", text), (
-            f"docs/architecture.md: {name}.py is on floor {floor}; update its row"
+            f"docs/architecture.md: {name}.py is in a wing on floor {floor}; update its row"
         )
+
+
+def test_a_wings_init_is_only_a_docstring() -> None:
+    """Wings re-export nothing: a name is imported from the module that defines it."""
+    for name, tree in _modules().items():
+        if name.endswith("/__init__"):
+            body = tree.body
+            assert len(body) == 1 and ast.get_docstring(tree), f"{name}.py: a docstring only"
+
+
+def test_no_wing_or_module_shadows_a_lazy_export() -> None:
+    """Importing a submodule binds its name on the package: a wing ``wrap/`` would replace
+    the lazy ``mixprec_torch.wrap`` for good once anything imported it."""
+    tree = _modules()["__init__"]
+    (exports,) = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    ]
+    names = set(ast.literal_eval(exports))
+    children = {name.split("/")[0] for name in _modules()}
+    assert not names & children, f"rename these wings or modules: {sorted(names & children)}"
 
 
 def test_optimizer_state_holds_data_and_the_step_lives_in_its_protocol() -> None:
