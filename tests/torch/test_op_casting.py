@@ -15,6 +15,7 @@ import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import PolicyError  # noqa: E402
 from mixprec_torch.dtypes import dtype_name, torch_dtype  # noqa: E402
+from mixprec_torch.o1.decision_tables import BAN_KEYS  # noqa: E402
 from mixprec_torch.o1.probes import PROBES, result_dtype  # noqa: E402
 from mixprec_torch.ops import supported_ops  # noqa: E402
 
@@ -98,6 +99,25 @@ def test_banned_op_raises_the_policy_error() -> None:
     model = mpt.wrap(OpRunner(), policy="O1")
     with pytest.raises(PolicyError, match="binary_cross_entropy_with_logits"):
         model("binary_cross_entropy", torch.float32)
+
+
+@pytest.mark.parametrize("policy", ["O2", "O3"])
+def test_a_passthrough_preset_checks_its_bans_without_o1s_table(policy: str) -> None:
+    """float16's lists ban ``binary_cross_entropy``. Under O2/O3 (no autocast) its kernel only
+    asks whether the op is refused, whatever floating inputs come: ``wrap`` prepares one
+    answer per op and context (and one for no floating input), not O1's 33 input keys, and a
+    forward adds none."""
+    model = mpt.wrap(OpRunner(), policy=policy)
+    decisions = model._mixprec.casting.casting.decisions
+    assert decisions.ops == ("binary_cross_entropy",)
+    sizes = {id(t): len(t) for t in decisions.tables.values()}
+    assert set(sizes.values()) == {len(BAN_KEYS)}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        with pytest.raises(PolicyError, match="binary_cross_entropy_with_logits"):
+            model("binary_cross_entropy", dtype)
+    model("softmax", torch.float16)  # everything else runs as torch runs it
+    assert model.seen["softmax"] == "float16"
+    assert {id(t): len(t) for t in decisions.tables.values()} == sizes
 
 
 # ------------------------------------------------------------------------------- modules

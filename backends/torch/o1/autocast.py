@@ -34,7 +34,8 @@ apply there only.
 
 A region without autocast (O2/O3 under float16) decides no dtypes but still refuses the
 policy's banned ops: :class:`BanHandler` s at the Autograd key
-(:mod:`mixprec_torch.o1.autocast_kernels`).
+(:mod:`mixprec_torch.o1.autocast_kernels`), which ask one prepared question per op and
+module context (``Decisions(..., bans_only=True)``), not O1's table of input keys.
 
 Only what runs inside a wrapped model's forward is cast. Outputs leave the model in
 ``policy.output`` (float32 for O1/O2), so a loss computed outside runs in float32.
@@ -331,7 +332,7 @@ class OpCasting:
                 else:
                     bans[name] = BanHandler(op)
         self.handlers, self.bans = handlers, bans
-        self.decisions = Decisions(self.policy, self.ops)
+        self.decisions = Decisions(self.policy, self.ops, bans_only=self.autocast is None)
         self.regions = {}
         self.region(None)
 

@@ -14,6 +14,11 @@ dtypes as bits): all ``decide`` reads of the inputs (a passthrough op keeps the 
 promote op takes the widest). :func:`input_key` builds it from dict reads alone, so dynamo
 folds it to a constant while it traces. Inputs in a dtype outside those four (float8) are
 decided on first use and remembered.
+
+A plan without autocast (O2/O3 under float16, whose default lists ban ``binary_cross_entropy``)
+only asks whether an op is refused, and that does not depend on which floating dtypes come in
+(a ban, an ambiguous rule: ``decide``'s error names no input): :class:`Decisions` made with
+``bans_only`` asks once per op and context for floating inputs (:data:`BAN_KEYS`), not 33 times.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from mixprec.kit import Policy
 from ..dtypes import FLOATING, dtype_name, torch_dtype
 
 __all__ = [
+    "BAN_KEYS",
     "DTYPE_BITS",
     "PREPARED_KEYS",
     "DecisionContext",
@@ -100,6 +106,11 @@ def _prepared_keys() -> tuple[InputKey, ...]:
 
 PREPARED_KEYS: tuple[InputKey, ...] = _prepared_keys()
 
+_FLOATING_KEY: InputKey = (torch.float32, _BITS[torch.float32])
+BAN_KEYS: tuple[InputKey, ...] = ((None, 0), _FLOATING_KEY)
+"""The keys a bans-only table prepares: no floating input, and one that stands for every
+key with floating inputs (whether ``decide`` raises is the same for all of them)."""
+
 Answer = torch.dtype | PolicyError
 
 
@@ -113,11 +124,17 @@ class Decisions:
 
     :param policy: the resolved policy.
     :param ops: the ops (families and ``"torch:"`` names) to prepare.
+    :param bans_only: the answers are only asked whether they raise (kernels at the Autograd
+        key of a plan without autocast): prepare :data:`BAN_KEYS` only, and answer every key
+        with floating inputs from the one that stands for them.
     """
 
-    def __init__(self, policy: Policy, ops: Iterable[str]) -> None:
+    def __init__(self, policy: Policy, ops: Iterable[str], *, bans_only: bool = False) -> None:
         self.policy = policy
         self.ops = tuple(sorted(ops))
+        self.bans_only = bans_only
+        self.keys = BAN_KEYS if bans_only else PREPARED_KEYS
+        """The input keys prepared for every op and context."""
         self.tables: dict[DecisionContext | None, dict[tuple[str, InputKey], Answer]] = {}
         """context -> (op, input key) -> its dtype, or the error ``decide`` raised (banned
         ops, ambiguous rules: raised again at each call)."""
@@ -138,7 +155,7 @@ class Decisions:
         if table is None:
             table = self._shared[matching] = {}
             for op in self.ops:
-                for key in PREPARED_KEYS:
+                for key in self.keys:
                     table[(op, key)] = self._decide(op, context, key)
         self.tables[context] = table
         return table
@@ -156,11 +173,14 @@ class Decisions:
 
     def answer(self, op: str, context: DecisionContext | None, key: InputKey) -> Answer:
         """The dtype ``op`` runs in, or the error ``decide`` raised: lookups (``decide``
-        only for an unprepared key, remembered)."""
+        only for an unprepared key, remembered). With ``bans_only`` a key with floating inputs
+        is answered by the one standing for them: the error is the call's, a dtype is not."""
         table = self.tables.get(context)
         if table is None:
             table = self.prepare(context)
         answer = table.get((op, key))
+        if answer is None and self.bans_only and key[1]:
+            answer = table.get((op, _FLOATING_KEY))
         if answer is None:
             answer = table[(op, key)] = self._decide(op, context, key)
         return answer
