@@ -8,7 +8,7 @@ scores and the command.
 
 Example (everything after ``--`` goes to pytest)::
 
-    python -m benchmarks.mutation mixprec/loss_scale.py --jobs 2 -- \\
+    python -m benchmarks.mutation mixprec/numerics/loss_scale.py --jobs 2 -- \\
         tests/core/test_loss_scale.py tests/core/test_scaler.py -m "not torch"
 
 How it runs: the ``mixprec`` package is copied into a temporary folder (one copy per job);

@@ -14,7 +14,7 @@ the docstrings stay as they are:
   parameter, which griffe's parser expects.
 
 It also mounts each built-in backend's api module under the name users import:
-``mixprec.torch`` is ``mixprec_torch`` (a facade at run time, see ``mixprec.facades``), so
+``mixprec.torch`` is ``mixprec_torch`` (a facade at run time, see ``mixprec.engine.facades``), so
 ``::: mixprec.torch.wrap`` documents ``wrap`` under the heading ``mixprec.torch.wrap``.
 """
 

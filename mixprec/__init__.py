@@ -8,8 +8,9 @@ registered under the ``mixprec`` entry-point group for everything else (``mixpre
 works for each of them).
 
 Names are loaded on first use, so ``import mixprec`` stays cheap and never imports a
-framework. Extension points: :mod:`mixprec.hookspecs` (the hooks) and
-:mod:`mixprec.testing` (the conformance suite).
+framework. Extension points: :mod:`mixprec.kit` (what a backend or plugin imports from the
+core), :mod:`mixprec.engine.hookspecs` (the hooks) and :mod:`mixprec.testing` (the
+conformance suite).
 """
 
 from __future__ import annotations
@@ -38,38 +39,38 @@ _LAZY: dict[str, str] = {
     "canonical_dtype": "mixprec.dtypes",
     "format_info": "mixprec.dtypes",
     "FormatInfo": "mixprec.dtypes",
-    "OP_FAMILIES": "mixprec.ops",
-    "Policy": "mixprec.policy",
-    "OpRules": "mixprec.policy",
-    "ModuleRule": "mixprec.policy",
-    "Decision": "mixprec.policy",
-    "get_policy": "mixprec.spec",
-    "preset_names": "mixprec.spec",
-    "load_toml": "mixprec.spec",
-    "resolve_auto": "mixprec.presets",
-    "NoScale": "mixprec.loss_scale",
-    "StaticScale": "mixprec.loss_scale",
-    "DynamicScale": "mixprec.loss_scale",
+    "OP_FAMILIES": "mixprec.policy.ops",
+    "Policy": "mixprec.policy.value",
+    "OpRules": "mixprec.policy.value",
+    "ModuleRule": "mixprec.policy.value",
+    "Decision": "mixprec.policy.value",
+    "get_policy": "mixprec.engine.spec",
+    "preset_names": "mixprec.engine.spec",
+    "load_toml": "mixprec.engine.spec",
+    "resolve_auto": "mixprec.policy.presets",
+    "NoScale": "mixprec.numerics.loss_scale",
+    "StaticScale": "mixprec.numerics.loss_scale",
+    "DynamicScale": "mixprec.numerics.loss_scale",
     "ScaleEvent": "mixprec.events",
     "EventLog": "mixprec.events",
-    "LossScaler": "mixprec.scaler",
-    "StepGuard": "mixprec.guard",
-    "RepeatedSkipWarning": "mixprec.guard",
-    "MixprecState": "mixprec.scaler",
-    "StepTracker": "mixprec.step",
-    "Stage": "mixprec.step",
-    "MasterWeights": "mixprec.masters",
-    "hookimpl": "mixprec.hookspecs",
+    "LossScaler": "mixprec.engine.scaler",
+    "StepGuard": "mixprec.numerics.guard",
+    "RepeatedSkipWarning": "mixprec.numerics.guard",
+    "MixprecState": "mixprec.engine.scaler",
+    "StepTracker": "mixprec.numerics.stages",
+    "Stage": "mixprec.numerics.stages",
+    "MasterWeights": "mixprec.numerics.masters",
+    "hookimpl": "mixprec.engine.hookspecs",
     "BackendInfo": "mixprec.backend",
     "Capabilities": "mixprec.backend",
     "DeviceCapability": "mixprec.backend",
-    "load_backend": "mixprec.plugins",
-    "list_backends": "mixprec.plugins",
-    "ModuleDtypes": "mixprec.diagnostics",
-    "OverflowRecord": "mixprec.diagnostics",
-    "format_dtype_report": "mixprec.diagnostics",
-    "format_underflow": "mixprec.diagnostics",
-    "underflow_threshold": "mixprec.diagnostics",
+    "load_backend": "mixprec.engine.plugins",
+    "list_backends": "mixprec.engine.plugins",
+    "ModuleDtypes": "mixprec.engine.diagnostics",
+    "OverflowRecord": "mixprec.engine.diagnostics",
+    "format_dtype_report": "mixprec.engine.diagnostics",
+    "format_underflow": "mixprec.engine.diagnostics",
+    "underflow_threshold": "mixprec.engine.diagnostics",
     "write_lock": "mixprec.lock",
     "check_lock": "mixprec.lock",
 }
@@ -127,32 +128,32 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec.backend import BackendInfo, Capabilities, DeviceCapability
-    from mixprec.diagnostics import (
+    from mixprec.dtypes import FormatInfo, canonical_dtype, format_info
+    from mixprec.engine.diagnostics import (
         ModuleDtypes,
         OverflowRecord,
         format_dtype_report,
         format_underflow,
         underflow_threshold,
     )
-    from mixprec.dtypes import FormatInfo, canonical_dtype, format_info
+    from mixprec.engine.hookspecs import hookimpl
+    from mixprec.engine.plugins import list_backends, load_backend
+    from mixprec.engine.scaler import LossScaler, MixprecState
+    from mixprec.engine.spec import get_policy, load_toml, preset_names
     from mixprec.events import EventLog, ScaleEvent
-    from mixprec.guard import RepeatedSkipWarning, StepGuard
-    from mixprec.hookspecs import hookimpl
     from mixprec.lock import check_lock, write_lock
-    from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
-    from mixprec.masters import MasterWeights
-    from mixprec.ops import OP_FAMILIES
-    from mixprec.plugins import list_backends, load_backend
-    from mixprec.policy import Decision, ModuleRule, OpRules, Policy
-    from mixprec.presets import resolve_auto
-    from mixprec.scaler import LossScaler, MixprecState
-    from mixprec.spec import get_policy, load_toml, preset_names
-    from mixprec.step import Stage, StepTracker
+    from mixprec.numerics.guard import RepeatedSkipWarning, StepGuard
+    from mixprec.numerics.loss_scale import DynamicScale, NoScale, StaticScale
+    from mixprec.numerics.masters import MasterWeights
+    from mixprec.numerics.stages import Stage, StepTracker
+    from mixprec.policy.ops import OP_FAMILIES
+    from mixprec.policy.presets import resolve_auto
+    from mixprec.policy.value import Decision, ModuleRule, OpRules, Policy
 
 
-# torch and mxnet are facades (mixprec.facades), listed so dir(mixprec) shows them; every
+# torch and mxnet are facades (mixprec.engine.facades), listed so dir(mixprec) shows them; every
 # other registered backend is reached the same way, as mixprec.<backend>.
 _SUBMODULES = ("torch", "mxnet", "testing")
 
-backend_facades(__name__, "mixprec.facades")
+backend_facades(__name__, "mixprec.engine.facades")
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, submodules=_SUBMODULES, facades=True)

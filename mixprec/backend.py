@@ -1,10 +1,10 @@
 """What a backend declares about itself (declarations only).
 
 A backend is two modules. Its *plugin* module (registered under the ``mixprec`` entry-point
-group) answers :func:`mixprec.hookspecs.mixprec_register_backends` with a
+group) answers :func:`mixprec.engine.hookspecs.mixprec_register_backends` with a
 :class:`BackendInfo` and never imports the framework. Its *api* module, named by
 ``BackendInfo.api_module``, holds the user API and imports the framework; mixprec imports it
-on first use through :func:`mixprec.plugins.load_backend`.
+on first use through :func:`mixprec.engine.plugins.load_backend`.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class DeviceCapability:
     :param note: the hardware facts behind the two lists, in the user's words (``"compute
         capability 7.5: no bfloat16 (needs 8.0, Ampere)"``); shown by ``mixprec backends``,
         by ``auto``'s float32 warning and by refusals, so they name the missing feature.
-    :param fp8_recipes: the FP8 recipes (:data:`mixprec.fp8.FP8_RECIPES`) the backend runs
-        on it, natively or emulated; a policy with another ``fp8`` recipe is refused there.
+    :param fp8_recipes: the FP8 recipes (:data:`mixprec.numerics.fp8.recipes.FP8_RECIPES`)
+        the backend runs on it, natively or emulated; a policy with another ``fp8`` recipe is
+        refused there.
     """
 
     device: str
@@ -85,11 +86,11 @@ class UnseenOp:
     A functional framework offers no hook on every op: JAX's ``x + y`` reaches no function
     a plugin can wrap. The backend declares such families in
     :attr:`Capabilities.unseen_ops`, with what the framework does natively, so that
-    :mod:`mixprec.visibility` can refuse a policy that needs a cast there and
+    :mod:`mixprec.engine.visibility` can refuse a policy that needs a cast there and
     ``explain``/``dtype_report`` can tell the user which rules are only the framework's
     own behaviour.
 
-    :param op: the neutral op family (:data:`mixprec.ops.OP_FAMILIES`).
+    :param op: the neutral op family (:data:`mixprec.policy.ops.OP_FAMILIES`).
     :param native: what the framework does with it: ``"promote"`` (computes in the widest
         floating input, as JAX's type promotion does), ``"passthrough"`` (in the dtype that
         comes in), or ``"absent"`` (the framework has no such op: code doing the same is
@@ -146,7 +147,7 @@ class Capabilities:
 @dataclass(frozen=True)
 class NativeDtypes:
     """What a framework's own mixed precision does with each op: a backend's answer to
-    :func:`mixprec.hookspecs.mixprec_native_dtypes`, recorded by the precision lockfile.
+    :func:`mixprec.engine.hookspecs.mixprec_native_dtypes`, recorded by the precision lockfile.
 
     :param source: what was asked, in the framework's words, such as
         ``"torch.autocast('cuda', dtype=torch.float16)"``.

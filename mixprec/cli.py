@@ -4,7 +4,7 @@ Subcommands:
   ``mixprec policies``               each preset's roles and op lists
   ``mixprec explain POLICY OP``      which rule decides an op's dtype, and why
   ``mixprec backends``               installed backends, versions, capabilities, broken plugins
-  ``mixprec advise MODULE:FACTORY``  which policy for your model here (:mod:`mixprec.advise_cli`)
+  ``mixprec advise MODULE:FACTORY``  which policy for your model here (``advisor/command.py``)
   ``mixprec lock POLICY --backend B`` what each op resolves to; ``--check FILE`` names drift
 
 Messages follow one format on stderr: ``mixprec: error: ...`` (exit status 2) for a mistake
@@ -19,12 +19,10 @@ import sys
 from collections.abc import Sequence
 
 import mixprec
-from mixprec.advise_cli import add_parser as add_advise_parser
+from mixprec.advisor.command import add_parser as add_advise_parser
 from mixprec.backend import Capabilities
 from mixprec.cli_format import CliParser, cli_messages, dtype_list
-from mixprec.grammar import format_loss_scale
-from mixprec.lock import add_parser as add_lock_parser
-from mixprec.plugins import (
+from mixprec.engine.plugins import (
     DISABLE_ENV,
     broken_plugins,
     disabled_plugins,
@@ -32,10 +30,12 @@ from mixprec.plugins import (
     load_backend,
     plugin_preset_sources,
 )
-from mixprec.policy import Policy
-from mixprec.presets import DTYPE_ROLES, builtin_preset_names
-from mixprec.spec import get_policy, preset_names
-from mixprec.visibility import unseen_notes
+from mixprec.engine.spec import get_policy, preset_names
+from mixprec.engine.visibility import unseen_notes
+from mixprec.lock import add_parser as add_lock_parser
+from mixprec.policy.grammar import format_loss_scale
+from mixprec.policy.presets import DTYPE_ROLES, builtin_preset_names
+from mixprec.policy.value import Policy
 
 __all__ = ["main"]
 

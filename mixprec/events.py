@@ -1,6 +1,6 @@
 """Loss-scale events: what happened to the scale, and when.
 
-A :class:`ScaleEvent` is what the pure state machines in :mod:`mixprec.loss_scale` return;
+A :class:`ScaleEvent` is what the pure state machines in :mod:`mixprec.numerics.loss_scale` return;
 a :class:`StepEvent` is the same event stamped with the step it happened on. An
 :class:`EventLog` keeps a bounded in-memory record of them, counts them, prints them as a
 table, plots the scale over time, and calls subscribers as each event arrives (loggers,

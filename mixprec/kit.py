@@ -21,14 +21,14 @@ The names come in six groups:
 - **plugin plumbing**: the hook marker, capabilities, backend lookup and lazy facades;
 - **atomic writes**: files written whole or not at all.
 
-The reference page is ``docs/kit.md``; ``tests/test_docs_kit.py`` checks that every name here
-is on it.
+The reference page is ``docs/reference/kit.md``; ``tests/test_docs_kit.py`` checks that every
+name here is on it.
 """
 
 from __future__ import annotations
 
-from mixprec.advice import AdviceReport, ModuleSensitivity
-from mixprec.advisor import RSS_MEASURE, AdviceError, run_advice
+from mixprec.advisor.report import AdviceReport, ModuleSensitivity
+from mixprec.advisor.run import RSS_MEASURE, AdviceError, run_advice
 from mixprec.atomic import atomic_path, atomic_write_bytes, atomic_write_text
 from mixprec.backend import (
     BackendInfo,
@@ -36,15 +36,6 @@ from mixprec.backend import (
     DeviceCapability,
     NativeDtypes,
     UnseenOp,
-)
-from mixprec.compensated import KAHAN, STOCHASTIC, check_seed
-from mixprec.decision import module_rule
-from mixprec.diagnostics import (
-    ModuleDtypes,
-    OverflowRecord,
-    dtype_rows,
-    format_dtype_report,
-    underflow_threshold,
 )
 from mixprec.dtypes import (
     BFLOAT16,
@@ -56,7 +47,21 @@ from mixprec.dtypes import (
     is_low_precision,
     widest,
 )
-from mixprec.fp8 import (
+from mixprec.engine.diagnostics import (
+    ModuleDtypes,
+    OverflowRecord,
+    dtype_rows,
+    format_dtype_report,
+    underflow_threshold,
+)
+from mixprec.engine.hookspecs import hookimpl
+from mixprec.engine.plugins import list_backends, load_backend
+from mixprec.engine.scaler import LossScaler, MixprecState, ScalerCounters
+from mixprec.engine.spec import get_policy, resolve_for_device
+from mixprec.engine.visibility import check_rules_visible, unseen_notes
+from mixprec.lazy import lazy_exports
+from mixprec.numerics.compensated import KAHAN, STOCHASTIC, check_seed
+from mixprec.numerics.fp8.recipes import (
     BACKWARD_FORMAT,
     FORWARD_FORMAT,
     FP8_RECIPES,
@@ -65,23 +70,18 @@ from mixprec.fp8 import (
     ROLES,
     FP8Recipe,
 )
-from mixprec.fp8_scaling import DelayedScaling
-from mixprec.fp8_stats import FP8Statistics
-from mixprec.grammar import format_loss_scale
-from mixprec.guard import NORM_LIMIT, RepeatedSkipWarning, StepGuard
-from mixprec.hookspecs import hookimpl
-from mixprec.lazy import lazy_exports
-from mixprec.lint import check_adam_eps, check_scaler_without_masters
-from mixprec.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
-from mixprec.masters import MasterWeights
-from mixprec.ops import OP_FAMILIES
-from mixprec.plugins import list_backends, load_backend
-from mixprec.policy import OpRules, Policy
-from mixprec.scaler import LossScaler, MixprecState, ScalerCounters
-from mixprec.spec import get_policy, resolve_for_device
-from mixprec.step import Stage, StepTracker
-from mixprec.traced_scale import ScaleState, check_traceable, initial_scale, next_scale
-from mixprec.visibility import check_rules_visible, unseen_notes
+from mixprec.numerics.fp8.scaling import DelayedScaling
+from mixprec.numerics.fp8.stats import FP8Statistics
+from mixprec.numerics.guard import NORM_LIMIT, RepeatedSkipWarning, StepGuard
+from mixprec.numerics.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
+from mixprec.numerics.masters import MasterWeights
+from mixprec.numerics.stages import Stage, StepTracker
+from mixprec.numerics.traced_scale import ScaleState, check_traceable, initial_scale, next_scale
+from mixprec.policy.grammar import format_loss_scale
+from mixprec.policy.lint import check_adam_eps, check_scaler_without_masters
+from mixprec.policy.ops import OP_FAMILIES
+from mixprec.policy.precedence import module_rule
+from mixprec.policy.value import OpRules, Policy
 
 __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     # policy and resolution

@@ -4,7 +4,7 @@ A backend's package is imported just to reach its plugin module, and that must n
 the framework. So packages list their public names with the module defining each, and
 :func:`lazy_exports` builds the module ``__getattr__``/``__dir__`` that import a name on
 first access and cache it in the package. :func:`backend_facades` makes ``mixprec.<backend>``
-importable for any registered backend (:mod:`mixprec.facades`).
+importable for any registered backend (:mod:`mixprec.engine.facades`).
 
 These are the core's deliberate lazy imports: they name modules as strings, imported on
 first use, so this module sits on the lowest floor and imports no other mixprec module.

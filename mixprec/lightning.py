@@ -7,8 +7,8 @@
 
     trainer = lightning.Trainer(plugins=[MixprecPrecision("O2-bf16")])
 
-The plugin lives beside the PyTorch backend (``mixprec_torch.lightning``) and is imported
-here, so ``import mixprec`` never imports torch or lightning, while ``import
+The plugin lives in the PyTorch backend's integrations (``mixprec_torch.integrations.lightning``)
+and is imported here, so ``import mixprec`` never imports torch or lightning, while ``import
 mixprec.lightning`` imports both. Without lightning installed, importing this module raises
 :class:`~mixprec.errors.BackendNotAvailable` naming the extra to install.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from mixprec.engine.plugins import load_backend
 from mixprec.errors import BackendNotAvailable
-from mixprec.plugins import load_backend
 
 __all__ = ["MixprecPrecision"]
 

@@ -1,11 +1,11 @@
 """Locking a policy: record what each op resolves to now, and name what changed later.
 
 ``mixprec lock POLICY --backend NAME [--device cpu|cuda] -o FILE`` writes a precision lock
-(:mod:`mixprec.lockfile`): the mixprec, framework and Python versions, the device, and for
+(:mod:`mixprec.policy.lockfile`): the mixprec, framework and Python versions, the device, and for
 every op family the dtype it computes in for float32 and for low-precision inputs with the
 rule that decided. For the ops a casting (O1-style) policy passes through, the lock also
 records what the framework's own mixed precision does with them, as the backend answers
-:func:`mixprec.hookspecs.mixprec_native_dtypes` (PyTorch: ``torch.autocast``, probed, CUDA
+:func:`mixprec.engine.hookspecs.mixprec_native_dtypes` (PyTorch: ``torch.autocast``, probed, CUDA
 on fake tensors; Gluon: ``mxnet.contrib.amp``'s lists; NumPy: its type rules), plus the
 framework's own ops outside the vocabulary that it reports (``torch:rms_norm``).
 
@@ -33,13 +33,13 @@ from typing import Any
 
 from mixprec.atomic import atomic_write_text
 from mixprec.dtypes import BFLOAT16, is_low_precision
+from mixprec.engine.plugins import backend_info, load_backend, native_dtypes
+from mixprec.engine.spec import PolicySpec, get_policy
 from mixprec.errors import BackendNotAvailable, LockError, PolicyError
-from mixprec.lockfile import BANNED, REFUSED, OpLock, PrecisionLock, changes, read_lock_file
-from mixprec.ops import OP_FAMILIES, ban_advice
-from mixprec.plugins import backend_info, load_backend, native_dtypes
-from mixprec.policy import Policy
-from mixprec.presets import resolve_auto
-from mixprec.spec import PolicySpec, get_policy
+from mixprec.policy.lockfile import BANNED, REFUSED, OpLock, PrecisionLock, changes, read_lock_file
+from mixprec.policy.ops import OP_FAMILIES, ban_advice
+from mixprec.policy.presets import resolve_auto
+from mixprec.policy.value import Policy
 
 __all__ = ["LockCheck", "add_parser", "check_lock", "make_lock", "read_lock", "write_lock"]
 

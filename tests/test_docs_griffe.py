@@ -44,14 +44,15 @@ def test_backends_are_documented_under_the_names_users_import(
 
 
 def test_roles_become_links_to_what_they_name(loaded: griffe.ModulesCollection) -> None:
-    text = loaded["mixprec.policy.Policy"].docstring.value
+    text = loaded["mixprec.policy.value.Policy"].docstring.value
     assert ":func:" not in text and ":class:" not in text and ":mod:" not in text
     # :func:`mixprec.get_policy` -> the object it names, by its canonical path
-    assert '<autoref identifier="mixprec.spec.get_policy" optional>' in text
+    assert '<autoref identifier="mixprec.engine.spec.get_policy" optional>' in text
     # :class:`~mixprec.NoScale`: only the last component shown
-    assert '<autoref identifier="mixprec.loss_scale.NoScale" optional><code>NoScale</code>' in text
-    # :class:`OpRules`: a name of the enclosing module (imported there from mixprec.rules)
-    assert '<autoref identifier="mixprec.rules.OpRules" optional>' in text
+    noscale = "mixprec.numerics.loss_scale.NoScale"
+    assert f'<autoref identifier="{noscale}" optional><code>NoScale</code>' in text
+    # :class:`OpRules`: a name of the enclosing module (imported there from mixprec.policy.rules)
+    assert '<autoref identifier="mixprec.policy.rules.OpRules" optional>' in text
 
 
 def test_relative_module_roles_resolve_against_their_package(
@@ -62,7 +63,7 @@ def test_relative_module_roles_resolve_against_their_package(
 
 
 def test_literal_blocks_become_fenced_code(loaded: griffe.ModulesCollection) -> None:
-    text = loaded["mixprec.spec"].docstring.value
+    text = loaded["mixprec.engine.spec"].docstring.value
     assert "(jmp-style):\n\n```text\nbase=O1,compute=bfloat16" in text
     assert "::" not in text.split("```", 1)[0]
     loop = loaded["mixprec_torch"].docstring.value

@@ -11,7 +11,7 @@ import pytest
 
 import mixprec
 from mixprec.errors import UnsupportedDtypeError
-from mixprec.presets import BUILTIN_PRESETS
+from mixprec.policy.presets import BUILTIN_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / "docs" / "index.md"

@@ -1,5 +1,5 @@
-"""docs/plugins.md cannot drift: its hook reference matches mixprec/hookspecs.py, and its code
-examples are the files the tests run.
+"""docs/plugins.md cannot drift: its hook reference matches mixprec/engine/hookspecs.py, and its
+code examples are the files the tests run.
 
 Hook reference: every hook is a ``### `name` `` heading under ``## Hook reference``, followed
 by a ```` ```python ```` block holding its ``def`` line and a ``firstresult: yes|no`` line.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import mixprec.hookspecs as hookspecs
+import mixprec.engine.hookspecs as hookspecs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "plugins.md"
@@ -71,7 +71,7 @@ def _documented_def(name: str, section: str) -> ast.FunctionDef:
 
 def test_every_hook_is_in_the_reference_and_nothing_else() -> None:
     documented, real = set(_documented()), set(_real_hooks())
-    assert real, "no hooks found in mixprec/hookspecs.py"
+    assert real, "no hooks found in mixprec/engine/hookspecs.py"
     assert not real - documented, f"hooks missing from docs/plugins.md: {sorted(real - documented)}"
     assert not documented - real, f"documented hooks that do not exist: {sorted(documented - real)}"
 

@@ -23,10 +23,12 @@ from pathlib import Path
 import pytest
 
 import mixprec
-from mixprec import cli, dtypes, forms, ops, presets, spec
-from mixprec.grammar import format_loss_scale
-from mixprec.loss_scale import DynamicScale
-from mixprec.rules import LIST_NAMES
+from mixprec import cli, dtypes
+from mixprec.engine import spec
+from mixprec.numerics.loss_scale import DynamicScale
+from mixprec.policy import forms, ops, presets
+from mixprec.policy.grammar import format_loss_scale
+from mixprec.policy.rules import LIST_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "policies.md"

@@ -1,8 +1,8 @@
 """``apex.amp`` on mixprec: change ``from apex import amp`` to
 ``from mixprec.compat import apex_amp as amp`` and the rest of the code runs unchanged.
 
-The code lives beside the PyTorch backend (``mixprec_torch.apex_amp``, with
-``apex_policy`` and ``apex_functions``) and is imported here, so ``import mixprec`` never
+The code lives in the PyTorch backend's integrations (``mixprec_torch.integrations.apex_amp``,
+with ``apex_policy`` and ``apex_functions``) and is imported here, so ``import mixprec`` never
 imports torch while ``import mixprec.compat.apex_amp`` does (never apex). Without torch,
 importing this module raises :class:`~mixprec.errors.BackendNotAvailable` naming the extra
 to install. What differs from apex is listed in ``docs/migration.md``.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from mixprec.plugins import load_backend
+from mixprec.engine.plugins import load_backend
 
 __all__ = [
     "disable_casts",

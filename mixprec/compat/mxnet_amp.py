@@ -13,10 +13,10 @@
             autograd.backward(scaled)
     trainer.step(x.shape[0])
 
-The code lives beside the Gluon backend (``mixprec_mxnet.integrations.contrib_amp`` and
-``mixprec_mxnet.integrations.contrib_amp_lists``) and is imported here, so ``import mixprec`` never
-imports MXNet while ``import mixprec.compat.mxnet_amp`` does. Without MXNet, importing this
-module raises :class:`~mixprec.errors.BackendNotAvailable` naming the extra to install.
+The code lives in the Gluon backend's integrations (``mixprec_mxnet.integrations.contrib_amp``
+and ``contrib_amp_lists``) and is imported here, so ``import mixprec`` never imports MXNet
+while ``import mixprec.compat.mxnet_amp`` does. Without MXNet, importing this module raises
+:class:`~mixprec.errors.BackendNotAvailable` naming the extra to install.
 What differs from MXNet is listed in ``docs/migration.md``.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from mixprec.plugins import load_backend
+from mixprec.engine.plugins import load_backend
 
 __all__ = [
     "convert_bucketing_module",

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from mixprec.backend import Capabilities, DeviceCapability
 from mixprec.dtypes import canonical_dtype
-from mixprec.loss_scale import DynamicScale
-from mixprec.ops import OP_FAMILIES
-from mixprec.plugins import load_backend
-from mixprec.spec import get_policy
+from mixprec.engine.plugins import load_backend
+from mixprec.engine.spec import get_policy
+from mixprec.numerics.loss_scale import DynamicScale
+from mixprec.policy.ops import OP_FAMILIES
 from mixprec.testing.xfail import XfailEntry, parse_xfail_file, xfail_file_for
 
 if TYPE_CHECKING:
-    from mixprec.policy import Policy
+    from mixprec.policy.value import Policy
     from mixprec.testing.protocol import ConformanceAdapter
 
 __all__ = [
@@ -209,7 +209,7 @@ def build_backend(name: str) -> BackendUnderTest:
         unknown = set(backend.adapter.supported_ops()) - set(OP_FAMILIES)
         if unknown:
             raise ValueError(
-                f"supported_ops() names ops outside mixprec.ops.OP_FAMILIES: {sorted(unknown)}"
+                f"supported_ops() names ops outside mixprec.OP_FAMILIES: {sorted(unknown)}"
             )
         backend.xfail_file = xfail_file_for(backend.adapter)
         if backend.xfail_file is not None and backend.xfail_file.is_file():

@@ -3,7 +3,7 @@
 A backend whose device lists FP8 recipes (``DeviceCapability.fp8_recipes``) implements the
 adapter method ``fp8_quantise`` (:class:`~mixprec.testing.protocol.ConformanceAdapter`) and
 the suite compares what it returns, bit for bit, with :func:`reference_quantise`, which
-follows :mod:`mixprec.fp8` in plain Python floats, and trains the FP8 policies of
+follows :mod:`mixprec.numerics.fp8.recipes` in plain Python floats, and trains the FP8 policies of
 :data:`~mixprec.testing.cases.FP8_POLICIES` through the trainer tests (a skipped step
 changes nothing, a checkpoint resumes bit for bit, the delayed amax history included).
 """
@@ -14,7 +14,7 @@ import math
 import random
 from typing import Protocol
 
-from mixprec.fp8 import (
+from mixprec.numerics.fp8.recipes import (
     BACKWARD_FORMAT,
     FORWARD_FORMAT,
     FP8_RECIPES,
@@ -68,7 +68,7 @@ def reference_quantise(
         tensor's own amax scales it, as ``tensorwise`` does); ignored by the others.
     :returns: the format values, and the scales ``s`` they were multiplied by, row-major:
         one for the tensor, one per row (``rowwise``), or one per block of
-        :data:`~mixprec.fp8.MX_BLOCK` per row (``mxfp8``).
+        :data:`~mixprec.numerics.fp8.recipes.MX_BLOCK` per row (``mxfp8``).
     """
     rows = [[to_float32(v) for v in row] for row in rows]
     if recipe in ("tensorwise", "delayed"):

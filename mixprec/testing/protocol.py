@@ -13,7 +13,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from mixprec.policy import Policy
+    from mixprec.policy.value import Policy
 
 __all__ = ["ConformanceAdapter", "ConformanceTrainer"]
 
@@ -125,7 +125,7 @@ class ConformanceAdapter(Protocol):
     """The backend's name, as registered (``"torch"``, ``"numpy"``)."""
 
     def supported_ops(self) -> Collection[str]:
-        """The neutral op families (``mixprec.ops.OP_FAMILIES``) this backend maps."""
+        """The neutral op families (``mixprec.policy.ops.OP_FAMILIES``) this backend maps."""
         ...
 
     def op_dtype(self, policy: Policy, op: str, input_dtype: str) -> str:

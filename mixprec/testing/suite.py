@@ -14,8 +14,8 @@ from typing import cast
 import pytest
 
 from mixprec.errors import MixprecError
-from mixprec.loss_scale import DynamicScale, LossScale
-from mixprec.ops import OP_FAMILIES
+from mixprec.numerics.loss_scale import DynamicScale, LossScale
+from mixprec.policy.ops import OP_FAMILIES
 from mixprec.testing.cases import (
     OVERFLOW_SEQUENCE,
     BackendUnderTest,
@@ -173,7 +173,7 @@ def test_op_dtype_matches_decide(backend: BackendUnderTest, policy_name: str, op
 def test_rules_on_unseen_ops_are_refused(backend: BackendUnderTest, op: str) -> None:
     """A backend that cannot see an op (``capabilities().unseen_ops``: JAX's ``x + y``)
     refuses a policy that casts it, globally or inside a module rule, instead of silently
-    running what the framework does natively (:mod:`mixprec.visibility`)."""
+    running what the framework does natively (:mod:`mixprec.engine.visibility`)."""
     assert backend.adapter is not None
     base = policy("O0")
     for chosen in (
@@ -271,7 +271,7 @@ def test_compensated_weights_round_to_the_params(
     """Under ``master=kahan`` ``master_params()`` reports ``w + c`` (float32), which rounds
     to nearest onto the bfloat16 param and keeps bits the param cannot; under
     ``master=stochastic`` it is the bfloat16 param itself, and the params stay on the
-    bfloat16 grid (:mod:`mixprec.compensated`)."""
+    bfloat16 grid (:mod:`mixprec.numerics.compensated`)."""
     chosen = policy(policy_name)
     trainer = _trainer(backend, policy_name)
     for _ in range(4):
@@ -298,7 +298,7 @@ def test_compensated_weights_round_to_the_params(
 def test_bfloat16_state_stays_on_the_grid(backend: BackendUnderTest, policy_name: str) -> None:
     """Under ``state=bfloat16`` every optimizer state value is a bfloat16 value between
     steps, and the state still moves step after step: the update runs in float32 and is
-    rounded stochastically, not to nearest (:mod:`mixprec.compensated`)."""
+    rounded stochastically, not to nearest (:mod:`mixprec.numerics.compensated`)."""
     trainer = _trainer(backend, policy_name)
     for _ in range(3):
         trainer.step()
@@ -366,9 +366,9 @@ def test_saved_params_are_float32(backend: BackendUnderTest, policy_name: str) -
 def test_fp8_operands_match_the_reference(
     backend: BackendUnderTest, recipe: str, fmt: str, data: str, scale: float | None
 ) -> None:
-    """The backend's FP8 operand (format values and scales) equals :mod:`mixprec.fp8`'s
-    arithmetic bit for bit: saturation, subnormals, ties to even, NaN for non-finite
-    values, mxfp8's short last block."""
+    """The backend's FP8 operand (format values and scales) equals
+    :mod:`mixprec.numerics.fp8.recipes`'s arithmetic bit for bit: saturation, subnormals, ties
+    to even, NaN for non-finite values, mxfp8's short last block."""
     assert backend.adapter is not None
     rows = FP8_DATA[data]
     want_q, want_s = reference_quantise(rows, recipe, fmt, scale)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from mixprec.policy import ModuleRule, Policy
-from mixprec.spec import get_policy, load_toml
+from mixprec.engine.spec import get_policy, load_toml
+from mixprec.policy.value import ModuleRule, Policy
 
 ALL_NAMES = [
     "O0",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mixprec import plugins
+from mixprec.engine import plugins
 
 HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 import mixprec
-from mixprec.advice import AdviceReport, ModuleSensitivity, PolicyRun
-from mixprec.advisor import (
+from mixprec.advisor.report import AdviceReport, ModuleSensitivity, PolicyRun
+from mixprec.advisor.run import (
     candidate_policies,
     loss_distance,
     propose_rule,
     recommend,
     timing_notes,
 )
-from mixprec.verdicts import fastest, safest, verdicts
+from mixprec.advisor.verdicts import fastest, safest, verdicts
 
 
 def _run(policy: str, ms: float, distance: float | None, skipped: int = 0) -> PolicyRun:
@@ -125,7 +125,8 @@ def test_report_json_table_and_toml(tmp_path: Path) -> None:
 
 def test_the_report_modules_import_no_framework_and_no_matplotlib() -> None:
     code = (
-        "import sys, mixprec.advice, mixprec.advisor, mixprec.advise_cli, mixprec.cli\n"
+        "import sys, mixprec.advisor.report, mixprec.advisor.run, mixprec.advisor.command\n"
+        "import mixprec.cli\n"
         "bad = [m for m in ('torch', 'mxnet', 'numpy', 'matplotlib', 'tqdm') if m in sys.modules]\n"
         "print(bad)"
     )

@@ -92,7 +92,7 @@ def test_event_log_plot_failing_half_way_keeps_the_previous_plot(tmp_path: Path)
 
 
 def test_advice_report_files_failing_half_way_keep_the_previous_ones(tmp_path: Path) -> None:
-    from mixprec.advice import AdviceReport, PolicyRun
+    from mixprec.advisor.report import AdviceReport, PolicyRun
 
     def report(reason: str) -> AdviceReport:
         runs = [PolicyRun("O0", step_times=[0.01] * 3, losses=[1.0], loss_scales=[1.0])]

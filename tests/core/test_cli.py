@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 import mixprec
-from mixprec import plugins
-from mixprec.advise_cli import split_candidates
+from mixprec.advisor.command import split_candidates
 from mixprec.cli import build_parser, main
 from mixprec.cli_format import cli_messages
+from mixprec.engine import plugins
+from mixprec.engine.spec import get_policy, preset_names
 from mixprec.errors import AdviceError, MixprecWarning
-from mixprec.presets import DTYPE_ROLES, builtin_preset_names
-from mixprec.spec import get_policy, preset_names
+from mixprec.policy.presets import DTYPE_ROLES, builtin_preset_names
 
 
 def test_policies_prints_every_preset_with_roles_and_lists(

@@ -7,7 +7,7 @@ import pytest
 import mixprec
 from mixprec import PolicyError, get_policy
 from mixprec.cli import main
-from mixprec.diagnostics import dtype_rows
+from mixprec.engine.diagnostics import dtype_rows
 
 
 @pytest.mark.parametrize(

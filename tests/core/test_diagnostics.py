@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mixprec
-from mixprec.diagnostics import ModuleDtypes, OverflowRecord, dtype_rows, format_dtype_report
+from mixprec.engine.diagnostics import ModuleDtypes, OverflowRecord, dtype_rows, format_dtype_report
 
 
 def test_o2_rows_pin_batchnorm_by_class_rule_and_inherit_inside_it() -> None:

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 
 import mixprec
-from mixprec import plugins
 from mixprec.backend import BackendInfo
+from mixprec.engine import plugins
+from mixprec.engine.facades import BackendFacade
+from mixprec.engine.hookspecs import hookimpl
 from mixprec.errors import BackendNotAvailable
-from mixprec.facades import BackendFacade
-from mixprec.hookspecs import hookimpl
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_facade_of_a_backend_without_its_framework_names_the_extra(
 
 
 def test_every_facade_comes_from_the_one_mechanism() -> None:
-    # no per-backend files: torch, mxnet and numpy are all built by mixprec.facades
+    # no per-backend files: torch, mxnet and numpy are all built by mixprec.engine.facades
     for name in ("torch", "mxnet", "numpy"):
         spec = importlib.util.find_spec(f"mixprec.{name}")
         assert spec is not None and spec.origin == f"backend {name!r}", spec

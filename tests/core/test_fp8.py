@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import mixprec
 from mixprec.backend import Capabilities, DeviceCapability
+from mixprec.engine.spec import resolve_for_device
 from mixprec.errors import CheckpointError, PolicyError, UnsupportedDtypeError
-from mixprec.fp8 import (
+from mixprec.numerics.fp8.recipes import (
     FP8_RECIPES,
     FP8Recipe,
     fp8_recipe,
@@ -22,9 +23,8 @@ from mixprec.fp8 import (
     round_to_format,
     tensor_scale,
 )
-from mixprec.fp8_scaling import DelayedScaling
-from mixprec.fp8_stats import FP8Statistics, Thresholds
-from mixprec.spec import resolve_for_device
+from mixprec.numerics.fp8.scaling import DelayedScaling
+from mixprec.numerics.fp8.stats import FP8Statistics, Thresholds
 
 # ------------------------------------------------------------------------------- the policy
 

@@ -9,7 +9,7 @@ import pytest
 import mixprec
 from mixprec import DynamicScale, LossScaler, NoScale, PolicyError, StepGuard
 from mixprec.errors import LossScaleError
-from mixprec.guard import NORM_LIMIT, RepeatedSkipWarning, SkipWatch
+from mixprec.numerics.guard import NORM_LIMIT, RepeatedSkipWarning, SkipWatch
 
 
 def test_norm_limit_is_where_the_squared_norm_leaves_float32() -> None:

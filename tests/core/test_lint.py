@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from mixprec.errors import WrapError
-from mixprec.lint import adam_eps_underflows, check_adam_eps, check_scaler_without_masters
+from mixprec.policy.lint import adam_eps_underflows, check_adam_eps, check_scaler_without_masters
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,11 @@ import pytest
 
 import mixprec
 from mixprec import lock as locking
-from mixprec import plugins
 from mixprec.backend import NativeDtypes
 from mixprec.cli import main
+from mixprec.engine import plugins
 from mixprec.errors import BackendNotAvailable, LockError, PolicyError
-from mixprec.ops import OP_FAMILIES
+from mixprec.policy.ops import OP_FAMILIES
 
 pytest.importorskip("mixprec_numpy")  # the NumPy plugin's backend is the one locked here
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from mixprec.errors import CheckpointError, LossScaleError, MixprecWarning, PolicyError
 from mixprec.events import ScaleEvent
-from mixprec.loss_scale import (
+from mixprec.numerics.loss_scale import (
     DynamicScale,
     LossScale,
     NoScale,
@@ -405,7 +405,7 @@ def test_checkpoints_saved_before_refill_and_skip_still_load() -> None:
 
 
 def test_refill_and_skip_are_policy_settings_that_round_trip() -> None:
-    from mixprec.spec import get_policy
+    from mixprec.engine.spec import get_policy
 
     policy = get_policy("O2", loss_scale="dynamic(skip=optimizer,refill=finite)")
     assert (policy.loss_scale.skip, policy.loss_scale.refill) == ("optimizer", "finite")

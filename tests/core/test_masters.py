@@ -8,7 +8,7 @@ from itertools import count
 import pytest
 
 from mixprec.errors import WrapError
-from mixprec.masters import MasterWeights
+from mixprec.numerics.masters import MasterWeights
 
 _ids = count()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mixprec.errors import PolicyError
-from mixprec.ops import OP_FAMILIES, ban_advice, check_op_name
-from mixprec.presets import default_op_rules, passthrough_op_rules
+from mixprec.policy.ops import OP_FAMILIES, ban_advice, check_op_name
+from mixprec.policy.presets import default_op_rules, passthrough_op_rules
 
 LOWP = {"linear", "matmul", "bmm", "conv", "conv_transpose", "attention", "rnn_cell"}
 FP32 = {

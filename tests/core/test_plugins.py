@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import pytest
 
 import mixprec
-from mixprec import plugins
 from mixprec.backend import BackendInfo, Capabilities, DeviceCapability
+from mixprec.engine import plugins
+from mixprec.engine.hookspecs import hookimpl
+from mixprec.engine.plugins import load_backend
 from mixprec.errors import BackendNotAvailable, PluginError
-from mixprec.hookspecs import hookimpl
-from mixprec.plugins import load_backend
 
 
 @pytest.fixture(autouse=True)

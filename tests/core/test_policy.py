@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
+from mixprec.engine.spec import get_policy
 from mixprec.errors import PolicyError
-from mixprec.loss_scale import DynamicScale, NoScale
-from mixprec.policy import Decision, ModuleRule, OpRules, Policy
-from mixprec.presets import default_op_rules, passthrough_op_rules
-from mixprec.spec import get_policy
+from mixprec.numerics.loss_scale import DynamicScale, NoScale
+from mixprec.policy.presets import default_op_rules, passthrough_op_rules
+from mixprec.policy.value import Decision, ModuleRule, OpRules, Policy
 
 O1 = get_policy("O1")
 O2 = get_policy("O2")
@@ -294,16 +294,16 @@ def test_auto_cannot_decide_until_resolved() -> None:
 
 def test_decide_consults_the_rules_once_per_question(monkeypatch: pytest.MonkeyPatch) -> None:
     """Backends ask ``decide`` for every op they trace: repeats must come from the cache."""
-    import mixprec.policy
+    import mixprec.policy.value
 
     calls: list[tuple[Any, ...]] = []
-    real = mixprec.policy.consult
+    real = mixprec.policy.value.consult
 
     def counting(*args: Any) -> Any:
         calls.append(args[1:])
         return real(*args)
 
-    monkeypatch.setattr(mixprec.policy, "consult", counting)
+    monkeypatch.setattr(mixprec.policy.value, "consult", counting)
     policy = EDITED.with_ops(lowp=["gelu"])  # a fresh policy: an empty cache
     args = ("linear", ("float16",), "encoder.0.fc", ("Linear", "Module"))
     first = policy.decide(*args)

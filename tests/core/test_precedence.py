@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from mixprec import diagnostics
-from mixprec.decision import module_rule
+from mixprec.engine import diagnostics
+from mixprec.engine.spec import get_policy
 from mixprec.errors import PolicyError
-from mixprec.rules import ModuleRule
-from mixprec.spec import get_policy
+from mixprec.policy.precedence import module_rule
+from mixprec.policy.rules import ModuleRule
 
 BASE = get_policy("O1-bf16")
 # Both class rules match a LayerNorm and disagree: ambiguous, whichever path asks.
@@ -66,7 +66,7 @@ def test_an_op_rule_clash_fails_the_same_way_in_decide_and_in_the_mxnet_graph_pa
         OP_CLASH.decide("softmax", ["bfloat16"], *WHERE)
     assert str(by_decide.value) == expected
     pytest.importorskip("mxnet")
-    from mixprec_mxnet import graph
+    from mixprec_mxnet.o1 import graph
 
     with pytest.raises(PolicyError) as by_graph:
         graph._module_list(OP_CLASH, "softmax", *WHERE)

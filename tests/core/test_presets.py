@@ -10,14 +10,14 @@ import pytest
 from _policy_cases import ALIASES, ALL_NAMES, BN, round_trips
 
 import mixprec
-from mixprec import plugins
+from mixprec.engine import plugins
+from mixprec.engine.hookspecs import hookimpl
+from mixprec.engine.spec import get_policy, preset_names
 from mixprec.errors import MixprecWarning, PolicyError
-from mixprec.hookspecs import hookimpl
-from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
-from mixprec.ops import OP_FAMILIES
-from mixprec.policy import ModuleRule, Policy
-from mixprec.presets import default_op_rules, passthrough_op_rules, resolve_auto
-from mixprec.spec import get_policy, preset_names
+from mixprec.numerics.loss_scale import DynamicScale, NoScale, StaticScale
+from mixprec.policy.ops import OP_FAMILIES
+from mixprec.policy.presets import default_op_rules, passthrough_op_rules, resolve_auto
+from mixprec.policy.value import ModuleRule, Policy
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mixprec import plugins
 from mixprec.backend import Capabilities, DeviceCapability
+from mixprec.engine import plugins
+from mixprec.engine.hookspecs import hookimpl
+from mixprec.engine.spec import get_policy, resolve_for_device
 from mixprec.errors import BackendNotAvailable, MixprecWarning, UnsupportedDtypeError
-from mixprec.hookspecs import hookimpl
-from mixprec.policy import Policy
-from mixprec.spec import get_policy, resolve_for_device
+from mixprec.policy.value import Policy
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
+from mixprec.engine.scaler import LossScaler, MixprecState, ScalerCounters
+from mixprec.engine.spec import get_policy
 from mixprec.errors import CheckpointError, LossScaleError
 from mixprec.events import EventLog, ScaleEvent
-from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
-from mixprec.scaler import LossScaler, MixprecState, ScalerCounters
-from mixprec.spec import get_policy
-from mixprec.step import StepTracker
+from mixprec.numerics.loss_scale import DynamicScale, NoScale, StaticScale
+from mixprec.numerics.stages import StepTracker
 
 
 def test_counts_steps_and_skips():
@@ -65,8 +65,8 @@ def test_events_go_to_a_given_log_and_its_subscribers():
 
 @pytest.mark.usefixtures("fresh_plugins")
 def test_events_reach_the_plugin_hooks():
-    from mixprec import plugins
-    from mixprec.hookspecs import hookimpl
+    from mixprec.engine import plugins
+    from mixprec.engine.hookspecs import hookimpl
 
     calls = []
 

@@ -11,11 +11,11 @@ from _policy_cases import ALIASES, ALL_NAMES, BN, round_trips
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mixprec.engine.spec import get_policy, load_toml
 from mixprec.errors import PolicyError
-from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
-from mixprec.ops import OP_FAMILIES
-from mixprec.policy import ModuleRule, OpRules, Policy
-from mixprec.spec import get_policy, load_toml
+from mixprec.numerics.loss_scale import DynamicScale, NoScale, StaticScale
+from mixprec.policy.ops import OP_FAMILIES
+from mixprec.policy.value import ModuleRule, OpRules, Policy
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
@@ -349,7 +349,7 @@ def test_a_file_that_is_no_utf8_text_is_a_policy_error(tmp_path: Path) -> None:
 
 def test_an_endless_file_is_read_only_up_to_the_limit(tmp_path: Path) -> None:
     """A policy path to /dev/zero was read without bound."""
-    import mixprec.spec
+    import mixprec.engine.spec
 
     endless = Path("/dev/zero")
     if not endless.exists():
@@ -360,11 +360,11 @@ def test_an_endless_file_is_read_only_up_to_the_limit(tmp_path: Path) -> None:
         with pytest.raises(PolicyError, match="larger than 1 MiB"):
             get_policy(spec)
     big = tmp_path / "big.toml"
-    big.write_bytes(b"#" * (mixprec.spec.MAX_POLICY_BYTES + 1))
+    big.write_bytes(b"#" * (mixprec.engine.spec.MAX_POLICY_BYTES + 1))
     with pytest.raises(PolicyError, match="larger than"):
         get_policy(big)
     exact = tmp_path / "exact.toml"
-    exact.write_bytes(b'base = "O1"\n' + b"#" * (mixprec.spec.MAX_POLICY_BYTES - 13) + b"\n")
+    exact.write_bytes(b'base = "O1"\n' + b"#" * (mixprec.engine.spec.MAX_POLICY_BYTES - 13) + b"\n")
     assert get_policy(exact) == get_policy("O1")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mixprec.errors import StepOrderError
-from mixprec.step import Stage, StepTracker
+from mixprec.numerics.stages import Stage, StepTracker
 
 
 def full_step(tracker: StepTracker, *, backwards: int = 1, unscale: bool = False) -> None:

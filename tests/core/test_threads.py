@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from mixprec import plugins
-from mixprec.policy import builtin_preset
+from mixprec.engine import plugins
+from mixprec.policy.value import builtin_preset
 
 T = TypeVar("T")
 THREADS = 8

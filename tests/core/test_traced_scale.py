@@ -1,4 +1,4 @@
-"""mixprec.traced_scale: the branch-free loss-scale update equals DynamicScale.update."""
+"""mixprec.numerics.traced_scale: the branch-free loss-scale update equals DynamicScale.update."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec.errors import MixprecError
-from mixprec.loss_scale import DynamicScale, NoScale, StaticScale
-from mixprec.traced_scale import (
+from mixprec.numerics.loss_scale import DynamicScale, NoScale, StaticScale
+from mixprec.numerics.traced_scale import (
     ScaleState,
     check_traceable,
     initial_scale,

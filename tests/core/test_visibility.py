@@ -1,4 +1,4 @@
-"""mixprec.visibility: rules on ops a backend cannot see are refused or reported."""
+"""mixprec.engine.visibility: rules on ops a backend cannot see are refused or reported."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 
 from mixprec.backend import Capabilities, DeviceCapability, UnseenOp
 from mixprec.cli import main
+from mixprec.engine.spec import get_policy
+from mixprec.engine.visibility import check_rules_visible, refused_rules, unseen_notes
 from mixprec.errors import PluginError, PolicyError
-from mixprec.spec import get_policy
-from mixprec.visibility import check_rules_visible, refused_rules, unseen_notes
 
 CAPS = Capabilities(
     "functional",

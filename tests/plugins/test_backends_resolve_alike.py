@@ -1,5 +1,5 @@
-"""Every backend resolves its policy through mixprec.spec.resolve_for_device: the hook fires
-once per wrap with the backend's name and device, and a refused policy fires nothing."""
+"""Every backend resolves its policy through mixprec.engine.spec.resolve_for_device: the hook
+fires once per wrap with the backend's name and device, and a refused policy fires nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mixprec import plugins
+from mixprec.engine import plugins
 from mixprec.errors import UnsupportedDtypeError
 from mixprec.kit import Policy, hookimpl
 

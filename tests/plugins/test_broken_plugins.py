@@ -29,7 +29,7 @@ BROKEN = {
     "wrong-signature": (
         "mixprec_wrong_signature",
         """
-        from mixprec.hookspecs import hookimpl
+        from mixprec.engine.hookspecs import hookimpl
 
         @hookimpl
         def mixprec_register_backends(config):
@@ -40,7 +40,7 @@ BROKEN = {
     "raises-on-register": (
         "mixprec_raises_on_register",
         """
-        from mixprec.hookspecs import hookimpl
+        from mixprec.engine.hookspecs import hookimpl
 
         @hookimpl
         def mixprec_register_backends():
@@ -83,8 +83,8 @@ def test_broken_plugins_are_reported_and_the_others_work(env: dict[str, str]) ->
         env,
         textwrap.dedent("""
         import json
-        from mixprec.plugins import load_backend
-        from mixprec.plugins import broken_plugins, list_backends
+        from mixprec.engine.plugins import load_backend
+        from mixprec.engine.plugins import broken_plugins, list_backends
         rows = {row.info.name: row.usable for row in list_backends()}
         caps = load_backend("numpy").capabilities().device("cpu").compute_dtypes
         print(json.dumps({"rows": rows, "broken": broken_plugins(), "numpy": caps}))

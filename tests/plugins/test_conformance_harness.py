@@ -75,9 +75,9 @@ FLAWS = {
 }
 
 CONFTEST = """
-from mixprec import plugins
+from mixprec.engine import plugins
 from mixprec.backend import BackendInfo
-from mixprec.hookspecs import hookimpl
+from mixprec.engine.hookspecs import hookimpl
 
 class Sabotaged:
     @hookimpl

@@ -5,7 +5,7 @@
 ``import mixprec.torch as mp``, ``from mixprec import torch`` and ``mixprec.mxnet`` all reach
 :func:`find_spec` through the finder :func:`mixprec.lazy.backend_facades` installs, which
 answers for a name only when a plugin declares that backend. The facade imports the
-backend's api module on first attribute access (:func:`mixprec.plugins.load_backend`), so
+backend's api module on first attribute access (:func:`mixprec.engine.plugins.load_backend`), so
 ``import mixprec.torch`` never imports torch, and with torch missing any attribute raises
 :class:`~mixprec.errors.BackendNotAvailable` naming the pip extra to install.
 """
@@ -17,7 +17,7 @@ import importlib.machinery
 from types import ModuleType
 from typing import Any
 
-from mixprec.plugins import KNOWN_PLUGINS, list_backends, load_backend
+from mixprec.engine.plugins import KNOWN_PLUGINS, list_backends, load_backend
 
 __all__ = ["BackendFacade", "find_spec"]
 
@@ -28,7 +28,7 @@ class BackendFacade(ModuleType):
     """The module ``mixprec.<backend>``: attribute access goes to the backend's api module."""
 
     def __init__(self, name: str, backend: str) -> None:
-        super().__init__(name, f"Facade for the {backend} backend: see mixprec.facades.")
+        super().__init__(name, f"Facade for the {backend} backend: see mixprec.engine.facades.")
         self.BACKEND = backend
 
     def __getattr__(self, name: str) -> Any:
@@ -54,7 +54,7 @@ _LOADER = _FacadeLoader()
 def find_spec(fullname: str) -> importlib.machinery.ModuleSpec | None:
     """The spec of facade ``fullname`` (``"mixprec.<backend>"``), or None when no plugin
     declares that backend (then the import fails as for any missing module). A backend of
-    :data:`~mixprec.plugins.KNOWN_PLUGINS` gets a facade even when its plugin is missing:
+    :data:`~mixprec.engine.plugins.KNOWN_PLUGINS` gets a facade even when its plugin is missing:
     its attributes then raise :class:`~mixprec.errors.BackendNotAvailable` naming the extra
     that installs it."""
     package, _, backend = fullname.rpartition(".")

@@ -1,6 +1,6 @@
 """Delayed FP8 scaling as a pure state machine: amax histories, no tensors, no frameworks.
 
-Beside the loss scales of :mod:`mixprec.loss_scale`: a :class:`DelayedScaling` is a frozen
+Beside the loss scales of :mod:`mixprec.numerics.loss_scale`: a :class:`DelayedScaling` is a frozen
 value holding, for every tensor an FP8 layer quantises (``"<module>:input"``,
 ``"<module>:weight"``, ``"<module>:grad_output"``), the amax of its last ``history`` steps,
 newest first. A backend scales each tensor by :meth:`DelayedScaling.scale` during a step,
@@ -19,7 +19,7 @@ returned state's scales are used on the very next step. One update, in full::
     scale(name, fmt) = None                       # no history yet: scale it "tensorwise"
                      | tensor_scale(max(history), fmt, margin)
 
-where :func:`mixprec.fp8.tensor_scale` is ``fmt_max / amax`` in float32, divided by
+where :func:`mixprec.numerics.fp8.recipes.tensor_scale` is ``fmt_max / amax`` in float32, divided by
 ``2**margin``, and ``1.0`` for an amax of 0. Every field, configuration and running,
 round-trips through :meth:`~DelayedScaling.state_dict` and
 :meth:`~DelayedScaling.from_state_dict`.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from mixprec.errors import CheckpointError, PolicyError
-from mixprec.fp8 import FP8Recipe, tensor_scale
+from mixprec.numerics.fp8.recipes import FP8Recipe, tensor_scale
 
 __all__ = ["DelayedScaling", "DelayedUpdate"]
 

@@ -1,13 +1,13 @@
 """The advisor's judgement: which runs qualify, what to recommend, why each other run lost.
 
-Pure functions over the :class:`~mixprec.advice.PolicyRun` rows of a report (no framework,
-no policy parsing); :func:`mixprec.advisor.run_advice` calls them once every run is done.
+Pure functions over the :class:`~mixprec.advisor.report.PolicyRun` rows of a report (no framework,
+no policy parsing); :func:`mixprec.advisor.run.run_advice` calls them once every run is done.
 
 A run **qualifies** when it trained to the end, at least one of its steps was timed, its
 loss distance from float32 is at most ``tolerance``, and it skipped at most
 ``max_skip_fraction`` of its steps. The dynamic loss scale's warm-up backoffs are not
 among those skips: the advisor calibrates the scale before the run
-(:attr:`~mixprec.advice.PolicyRun.warmup_skips`), so a float16 policy is judged on its
+(:attr:`~mixprec.advisor.report.PolicyRun.warmup_skips`), so a float16 policy is judged on its
 numerics, not on its scaler's first steps.
 
 The **recommendation** answers the advisor's question, which low-precision policy this model
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mixprec.advice import PolicyRun
+from mixprec.advisor.report import PolicyRun
 
 __all__ = [
     "REFERENCE",

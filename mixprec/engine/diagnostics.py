@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from mixprec.decision import module_rule
 from mixprec.dtypes import format_info
-from mixprec.policy import Policy
+from mixprec.policy.precedence import module_rule
+from mixprec.policy.value import Policy
 
 __all__ = [
     "ModuleDtypes",
@@ -73,7 +73,8 @@ class OverflowRecord:
 
 def pinning_rule(policy: Policy, path: str, classes: Sequence[str]) -> str | None:
     """``"pinned by <kind> rule <pattern>"`` for the module rule that pins this module's dtype
-    (:func:`mixprec.decision.module_rule` decides, as for :meth:`Policy.module_dtype`), or None.
+    (:func:`mixprec.policy.precedence.module_rule` decides, as for
+    :meth:`Policy.module_dtype`), or None.
 
     :raises PolicyError: matching rules of the deciding kind pin different dtypes."""
     found = module_rule(policy.modules, path, tuple(classes), lambda rule: rule.dtype)

@@ -1,6 +1,6 @@
 """LossScaler: the one mutable holder of a loss-scale state.
 
-The loss-scale states in :mod:`mixprec.loss_scale` are immutable values; a backend needs
+The loss-scale states in :mod:`mixprec.numerics.loss_scale` are immutable values; a backend needs
 one place that holds the current state, counts steps and skips, records events and tells
 plugins. Optimizers that must skip together (a GAN's generator and discriminator, several
 losses of one model) share one :class:`LossScaler`.
@@ -12,14 +12,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mixprec.engine.plugins import emit_scale_event, emit_step_skipped
 from mixprec.errors import CheckpointError
 from mixprec.events import EventLog
-from mixprec.guard import SkipWatch, StepGuard
-from mixprec.loss_scale import LossScale, loss_scale_from_state_dict
-from mixprec.plugins import emit_scale_event, emit_step_skipped
+from mixprec.numerics.guard import SkipWatch, StepGuard
+from mixprec.numerics.loss_scale import LossScale, loss_scale_from_state_dict
 
 if TYPE_CHECKING:
-    from mixprec.policy import Policy
+    from mixprec.policy.value import Policy
 
 __all__ = ["LossScaler", "MixprecState", "ScalerCounters"]
 
@@ -85,7 +85,7 @@ class LossScaler:
         """Advance the state by one step; return True when that step must be skipped.
 
         ``found_inf`` (a gradient was inf/NaN or the squared gradient norm overflowed
-        float32, see :mod:`mixprec.guard`) must already be reduced across every rank and
+        float32, see :mod:`mixprec.numerics.guard`) must already be reduced across every rank and
         every optimizer of the group, so they all skip together. ``overflowing`` names the
         parameters that overflowed, for the repeated-skip warning (:attr:`watch`). A
         :class:`~mixprec.errors.LossScaleError` from a ``DynamicScale(on_floor="raise")`` at

@@ -16,7 +16,7 @@ How an op's dtype is decided, first match wins:
    (``param`` when there is none), ``banned`` → :class:`PolicyError` with advice.
 
 Two rules of the same step that match and disagree are ambiguous: :class:`PolicyError`
-names both. The chain itself lives in :mod:`mixprec.decision`.
+names both. The chain itself lives in :mod:`mixprec.policy.precedence`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mixprec.compensated import (
+from mixprec.dtypes import POLICY_DTYPES, canonical_dtype, holds
+from mixprec.errors import PolicyError
+from mixprec.numerics.compensated import (
     MASTER_STRATEGIES,
     check_state,
     check_strategy,
@@ -36,16 +38,14 @@ from mixprec.compensated import (
     describe_strategy,
     is_strategy,
 )
-from mixprec.decision import Decision, consult, pinned_dtype, winner
-from mixprec.decision import explain as explain_chain
-from mixprec.dtypes import POLICY_DTYPES, canonical_dtype, holds
-from mixprec.errors import PolicyError
-from mixprec.forms import format_policy, policy_from_mapping
-from mixprec.fp8 import FP8Recipe, check_fp8, describe_fp8
-from mixprec.grammar import toml_dumps
-from mixprec.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
-from mixprec.presets import builtin_preset_name, builtin_preset_names, preset_fields
-from mixprec.rules import LIST_NAMES, ListName, ModuleRule, OpRules, with_rule
+from mixprec.numerics.fp8.recipes import FP8Recipe, check_fp8, describe_fp8
+from mixprec.numerics.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
+from mixprec.policy.forms import format_policy, policy_from_mapping
+from mixprec.policy.grammar import toml_dumps
+from mixprec.policy.precedence import Decision, consult, pinned_dtype, winner
+from mixprec.policy.precedence import explain as explain_chain
+from mixprec.policy.presets import builtin_preset_name, builtin_preset_names, preset_fields
+from mixprec.policy.rules import LIST_NAMES, ListName, ModuleRule, OpRules, with_rule
 
 __all__ = [
     "LIST_NAMES",
@@ -95,14 +95,14 @@ class Policy:
     - ``output``: dtype of the model's outputs;
     - ``master``: dtype of the optimizer's copy of the weights, None for no copy, or a
       compensated bfloat16 strategy, ``"kahan"`` or ``"stochastic"``
-      (:mod:`mixprec.compensated`), which keeps no float32 copy;
+      (:mod:`mixprec.numerics.compensated`), which keeps no float32 copy;
     - ``reduce``: dtype of gradient communication;
     - ``state``: None (the optimizer's state as it allocates it), or ``"bfloat16"``: under
       a compensated ``master`` the optimizer's per-parameter state is kept in bfloat16
-      between steps, rounded stochastically (:mod:`mixprec.compensated`);
-    - ``fp8``: None, or the :class:`~mixprec.fp8.FP8Recipe` (``"tensorwise"``,
+      between steps, rounded stochastically (:mod:`mixprec.numerics.compensated`);
+    - ``fp8``: None, or the :class:`~mixprec.numerics.fp8.recipes.FP8Recipe` (``"tensorwise"``,
       ``"rowwise"``, ``"delayed"``, ``"mxfp8"``) under which the ``linear`` family runs as an
-      FP8 GEMM on top of a bfloat16 or float16 compute dtype (:mod:`mixprec.fp8`);
+      FP8 GEMM on top of a bfloat16 or float16 compute dtype (:mod:`mixprec.numerics.fp8.recipes`);
     - ``loss_scale``: :class:`~mixprec.NoScale`, :class:`~mixprec.StaticScale` or
       :class:`~mixprec.DynamicScale` (its configuration only: it is stored reset);
     - ``ops``: the global :class:`OpRules`; ``modules``: the :class:`ModuleRule` s;
@@ -359,7 +359,7 @@ class Policy:
     def from_dict(cls, d: Mapping[str, Any]) -> Policy:
         """Read :meth:`to_dict`'s form, or a partial one on a built-in ``"base"`` preset.
 
-        See :func:`mixprec.forms.policy_from_mapping` for the keys. A partial mapping on a
+        See :func:`mixprec.policy.forms.policy_from_mapping` for the keys. A partial mapping on a
         plugin's preset is read by :func:`mixprec.get_policy`, which loads plugins; this
         method never does.
         """
@@ -380,7 +380,7 @@ class Policy:
 
     def __str__(self) -> str:
         """The preset name, or a key-grammar string; ``get_policy(str(p)) == p``
-        (:func:`mixprec.forms.format_policy`)."""
+        (:func:`mixprec.policy.forms.format_policy`)."""
         return format_policy(self)
 
 
@@ -398,7 +398,7 @@ def _builtin(name: str) -> Policy:
 def builtin_preset(name: str) -> Policy | None:
     """The built-in preset or alias called ``name`` (any case), or None.
 
-    Plugin presets are :func:`mixprec.spec.preset`'s (it loads plugins).
+    Plugin presets are :func:`mixprec.engine.spec.preset`'s (it loads plugins).
     """
     spelled = builtin_preset_name(name)
     return None if spelled is None else _builtin(spelled)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 from mixprec.errors import PolicyError
-from mixprec.loss_scale import FLOAT32_MAX, DynamicScale, LossScaleConfig
+from mixprec.numerics.loss_scale import FLOAT32_MAX, DynamicScale, LossScaleConfig
 
 __all__ = [
     "ScaleState",

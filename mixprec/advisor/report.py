@@ -1,7 +1,7 @@
 """The precision advisor's report: what each candidate policy did, and what to use.
 
 :class:`AdviceReport` is what ``mixprec.torch.advise`` and ``mixprec.mxnet.advise`` return
-(the run itself is :func:`mixprec.advisor.run_advice`). It is plain data: no framework and no
+(the run itself is :func:`mixprec.advisor.run.run_advice`). It is plain data: no framework and no
 NumPy here, and matplotlib is imported only inside :meth:`AdviceReport.plot`.
 
 - :attr:`AdviceReport.recommended` is a policy string; ``mixprec.get_policy`` reads it back.
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mixprec import advice_plots
+from mixprec.advisor import plots
 from mixprec.atomic import atomic_write_text
 from mixprec.errors import MixprecError
 
@@ -241,7 +241,7 @@ class AdviceReport:
         ``loss_curves.png``, ``loss_scale.png`` and ``sensitivity.png`` (the per-module added
         error before and after the proposed rules). Needs matplotlib (``mixprec[docs]``).
         """
-        return advice_plots.plot_report(self, Path(folder))
+        return plots.plot_report(self, Path(folder))
 
     def save(self, folder: str | os.PathLike[str]) -> dict[str, Path]:
         """Write ``report.json``, ``recommended.toml``, ``report.txt`` and the plots into

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pluggy
 
-from mixprec import hookspecs
 from mixprec.backend import BackendInfo, NativeDtypes
+from mixprec.engine import hookspecs
 from mixprec.errors import BackendNotAvailable, PluginError
 
 if TYPE_CHECKING:
     from mixprec.events import ScaleEvent
-    from mixprec.policy import Policy
+    from mixprec.policy.value import Policy
 
 __all__ = [
     "KNOWN_PLUGINS",

@@ -14,20 +14,21 @@ auto       float32    "auto" (O1 lists)  float32  —        float32 (rule)  dec
 ``O1``…``O3`` compute in float16 and ``O1-bf16``…``O3-bf16`` in bfloat16. (*) dynamic for
 float16, none for bfloat16. ``O3-bf16-kahan`` and ``O3-bf16-sr`` are O3-bf16 with the
 compensated master-weight strategies ``master=kahan`` and ``master=stochastic``
-(:mod:`mixprec.compensated`); ``O1-fp8`` and ``O2-fp8`` are O1-bf16 and O2-bf16 with
-``fp8=tensorwise``: their ``linear`` layers run as FP8 GEMMs (:mod:`mixprec.fp8`).
+(:mod:`mixprec.numerics.compensated`); ``O1-fp8`` and ``O2-fp8`` are O1-bf16 and O2-bf16 with
+``fp8=tensorwise``: their ``linear`` layers run as FP8 GEMMs (:mod:`mixprec.numerics.fp8.recipes`).
 Aliases: ``32`` → O0, ``16-mixed`` → O1, ``bf16-mixed`` → O1-bf16, ``16-true`` → O3,
 ``bf16-true`` → O3-bf16. Gradients are reduced in float32 except under O3. Names are
 case-insensitive. This module knows the built-in presets only; the front door
-:mod:`mixprec.spec` adds plugin presets, strings, dicts and TOML (:func:`mixprec.get_policy`).
+:mod:`mixprec.engine.spec` adds plugin presets, strings, dicts and TOML
+(:func:`mixprec.get_policy`).
 
 **Below the policy.** The catalog is data and functions *over* policies: it sits under
-:mod:`mixprec.policy` in the core's floors and never imports it, so that ``str(policy)``
-(:mod:`mixprec.forms`) can look presets up without an import circle. A preset is its
+:mod:`mixprec.policy.value` in the core's floors and never imports it, so that ``str(policy)``
+(:mod:`mixprec.policy.forms`) can look presets up without an import circle. A preset is its
 fields (:func:`preset_fields`); the functions take and return any policy value through the
 :class:`PolicyFields` protocol, building new ones with :func:`dataclasses.replace` (so the
-policy's own validation runs), and :func:`mixprec.policy.builtin_preset` holds the preset
-:class:`~mixprec.policy.Policy` objects themselves.
+policy's own validation runs), and :func:`mixprec.policy.value.builtin_preset` holds the preset
+:class:`~mixprec.policy.value.Policy` objects themselves.
 
 **Overrides and a changed compute dtype.** ``get_policy("O2", compute="bfloat16")`` and the
 key ``compute=`` re-derive the fields that still hold the value the old compute dtype gave
@@ -49,7 +50,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from mixprec.compensated import KAHAN, STOCHASTIC
 from mixprec.dtypes import (
     BFLOAT16,
     FLOAT16,
@@ -59,9 +59,10 @@ from mixprec.dtypes import (
     is_low_precision,
 )
 from mixprec.errors import MixprecWarning, PolicyError
-from mixprec.fp8 import FP8Recipe
-from mixprec.loss_scale import DynamicScale, LossScaleConfig, NoScale
-from mixprec.ops import (
+from mixprec.numerics.compensated import KAHAN, STOCHASTIC
+from mixprec.numerics.fp8.recipes import FP8Recipe
+from mixprec.numerics.loss_scale import DynamicScale, LossScaleConfig, NoScale
+from mixprec.policy.ops import (
     DEFAULT_BANNED,
     DEFAULT_FP32,
     DEFAULT_LOWP,
@@ -70,7 +71,7 @@ from mixprec.ops import (
     FP16_RANGE_ONLY,
     OP_FAMILIES,
 )
-from mixprec.rules import ModuleRule, OpRules
+from mixprec.policy.rules import ModuleRule, OpRules
 
 __all__ = [
     "ALIASES",
@@ -92,7 +93,7 @@ __all__ = [
 
 
 class PolicyFields(Protocol):
-    """What the catalog reads of a policy: :class:`mixprec.policy.Policy` is the one there is.
+    """What the catalog reads of a policy: :class:`mixprec.policy.value.Policy` is the one there is.
 
     A frozen dataclass with these fields; new policies are made from one with
     :func:`dataclasses.replace`, so its own validation runs.
@@ -143,9 +144,10 @@ BUILTIN_PRESETS: tuple[str, ...] = (
     "O2-fp8",
     "auto",
 )
-#: The compensated presets: O3-bf16 with a master-weight strategy (:mod:`mixprec.compensated`).
+#: The compensated presets: O3-bf16 with a master-weight strategy
+#: (:mod:`mixprec.numerics.compensated`).
 _STRATEGY_PRESETS: dict[str, str] = {"O3-bf16-kahan": KAHAN, "O3-bf16-sr": STOCHASTIC}
-#: The FP8 presets: O1-bf16 / O2-bf16 with ``fp8=tensorwise`` (:mod:`mixprec.fp8`).
+#: The FP8 presets: O1-bf16 / O2-bf16 with ``fp8=tensorwise`` (:mod:`mixprec.numerics.fp8.recipes`).
 _FP8_PRESETS: dict[str, str] = {"O1-fp8": "O1-bf16", "O2-fp8": "O2-bf16"}
 #: Lightning-style aliases of built-in presets.
 ALIASES: dict[str, str] = {
@@ -362,7 +364,7 @@ def derive(base: P, overrides: Mapping[str, Any]) -> P:
     """``base`` with role fields replaced, re-deriving defaults as the module docstring says.
 
     A ``loss_scale`` override is a loss-scale object here; :func:`mixprec.get_policy` and
-    the mappings read every other form through :func:`mixprec.forms.parsed_roles`.
+    the mappings read every other form through :func:`mixprec.policy.forms.parsed_roles`.
     """
     given = _overrides(overrides)
     if not given:

@@ -20,8 +20,8 @@ from typing import Literal, Protocol, TypeVar, cast
 
 from mixprec.dtypes import FLOAT32, canonical_dtype, widest
 from mixprec.errors import PolicyError
-from mixprec.ops import ban_advice, check_op_name
-from mixprec.rules import ListName, ModuleRule, OpRules
+from mixprec.policy.ops import ban_advice, check_op_name
+from mixprec.policy.rules import ListName, ModuleRule, OpRules
 
 __all__ = [
     "Decision",
@@ -92,7 +92,7 @@ def module_rule(
     when it says nothing. Path rules come first: if a matching path rule says something, it
     decides, else a matching class rule does. Matching rules of the same kind that say
     different things are ambiguous. :meth:`mixprec.Policy.decide`, the dtype reports of
-    :mod:`mixprec.diagnostics` and MXNet's graph pass all ask this function.
+    :mod:`mixprec.engine.diagnostics` and MXNet's graph pass all ask this function.
 
     :returns: the deciding rule and what it says, or None when no matching rule says anything.
     :raises PolicyError: two matching rules of the deciding kind disagree (naming both).

@@ -2,7 +2,7 @@
 
 The functions take plain values (names, dtypes, numbers) rather than framework objects, so
 both backends and third-party plugins can call them; :func:`check_scaler_without_masters`
-also accepts a :class:`~mixprec.policy.Policy` but never imports it.
+also accepts a :class:`~mixprec.policy.value.Policy` but never imports it.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def check_scaler_without_masters(
 ) -> None:
     """Refuse loss scaling when low-precision parameters would be updated without masters.
 
-    :param policy: the :class:`~mixprec.policy.Policy` (its ``loss_scale.enabled`` is
+    :param policy: the :class:`~mixprec.policy.value.Policy` (its ``loss_scale.enabled`` is
         read) or simply whether loss scaling is enabled; a plain bool keeps this module
-        free of a ``mixprec.policy`` import.
+        free of a ``mixprec.policy.value`` import.
     :param lowp_param_names: names of the float16/bfloat16 parameters the optimizer would
         update directly, without a float32 master copy.
     :raises WrapError: loss scaling is on and that list is not empty; the message lists

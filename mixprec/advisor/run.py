@@ -12,7 +12,7 @@ model under a policy and measures module errors) and :class:`Trainee` (one copy,
    (``path:<layer>=bfloat16``, :func:`fp8_rules`);
 3. train the tuned policy too, and recommend the fastest low-precision policy whose loss
    stays within ``tolerance`` of float32's with few skipped steps (float32 when none does),
-   ranking speed on this machine apart from it (:mod:`mixprec.verdicts`).
+   ranking speed on this machine apart from it (:mod:`mixprec.advisor.verdicts`).
 
 A policy with a dynamic loss scale is calibrated first: a throwaway copy steps on the first
 ``warmup`` batches, each again while its step is skipped, and the run starts from the scale
@@ -34,14 +34,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from mixprec.advice import AdviceReport, ModuleSensitivity, PolicyRun
-from mixprec.backend import Capabilities, DeviceCapability
-from mixprec.errors import AdviceError
-from mixprec.loss_scale import DynamicScale
-from mixprec.policy import Policy
-from mixprec.presets import BUILTIN_PRESETS
-from mixprec.spec import get_policy
-from mixprec.verdicts import (
+from mixprec.advisor.report import AdviceReport, ModuleSensitivity, PolicyRun
+from mixprec.advisor.verdicts import (
     fastest,
     loss_distance,
     recommend,
@@ -49,6 +43,12 @@ from mixprec.verdicts import (
     timing_notes,
     verdicts,
 )
+from mixprec.backend import Capabilities, DeviceCapability
+from mixprec.engine.spec import get_policy
+from mixprec.errors import AdviceError
+from mixprec.numerics.loss_scale import DynamicScale
+from mixprec.policy.presets import BUILTIN_PRESETS
+from mixprec.policy.value import Policy
 
 __all__ = [
     "AdviceError",
@@ -143,8 +143,9 @@ def propose_rule(
 def fp8_rules(target: AdviceTarget, policy: str, batch: Any) -> tuple[list[str], set[str]]:
     """Under an ``fp8`` policy, the rules that keep its FP8-fragile layers in the compute
     dtype, and every FP8 layer, from the target's what-if statistics (its optional method
-    ``fp8_statistics(policy, batch)`` returning a :class:`mixprec.fp8_stats.FP8Statistics`);
-    nothing for other policies or targets without the method."""
+    ``fp8_statistics(policy, batch)`` returning a
+    :class:`mixprec.numerics.fp8.stats.FP8Statistics`); nothing for other policies or targets
+    without the method."""
     chosen = get_policy(policy)
     measure = getattr(target, "fp8_statistics", None)
     if chosen.fp8 is None or measure is None:

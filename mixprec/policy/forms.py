@@ -1,15 +1,15 @@
 """A policy's text forms: the short ``str()`` form and the mapping (dict, TOML) reader.
 
-Both work on any policy value through :class:`mixprec.presets.PolicyFields` and sit below
-:mod:`mixprec.policy` in the core's floors, so :class:`~mixprec.policy.Policy` prints and
-reads itself without an import circle:
+Both work on any policy value through :class:`mixprec.policy.presets.PolicyFields` and sit
+below :mod:`mixprec.policy.value` in the policy wing, so :class:`~mixprec.policy.value.Policy`
+prints and reads itself without an import circle:
 
 - :func:`format_policy` is ``str(policy)``: the built-in preset's name when the policy
   equals one, else the shortest key-grammar spec relative to a built-in base
   (``"base=O1,path:big=float32"``); ``mixprec.get_policy(str(p)) == p`` always.
-- :func:`policy_from_mapping` reads the :meth:`~mixprec.policy.Policy.to_dict` form, or a
+- :func:`policy_from_mapping` reads the :meth:`~mixprec.policy.value.Policy.to_dict` form, or a
   partial one on a ``base`` preset; the caller says where presets come from
-  (:meth:`Policy.from_dict <mixprec.policy.Policy.from_dict>`: the built-in ones;
+  (:meth:`Policy.from_dict <mixprec.policy.value.Policy.from_dict>`: the built-in ones;
   :func:`mixprec.get_policy`: plugin presets too).
 """
 
@@ -21,13 +21,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mixprec.errors import PolicyError
-from mixprec.grammar import (
+from mixprec.policy.grammar import (
     check_policy_mapping,
     format_loss_scale,
     loss_scale_from_value,
     parse_module_rule,
 )
-from mixprec.presets import (
+from mixprec.policy.presets import (
     BUILTIN_PRESETS,
     ROLE_FIELDS,
     P,
@@ -36,7 +36,7 @@ from mixprec.presets import (
     preset_like,
     preset_name_of,
 )
-from mixprec.rules import LIST_NAMES, ModuleRule, OpRules, with_rule
+from mixprec.policy.rules import LIST_NAMES, ModuleRule, OpRules, with_rule
 
 __all__ = ["MAPPING_KEYS", "ROLE_KEYS", "format_policy", "parsed_roles", "policy_from_mapping"]
 
@@ -47,7 +47,7 @@ ROLE_KEYS: tuple[str, ...] = ("params", *ROLE_FIELDS)
 def parsed_roles(roles: Mapping[str, Any]) -> dict[str, Any]:
     """``roles`` with a ``loss_scale`` in any form a spec may hold (a string in the key
     grammar, a number, a mapping) read into a loss-scale object, for
-    :func:`mixprec.presets.derive`."""
+    :func:`mixprec.policy.presets.derive`."""
     out = dict(roles)
     if "loss_scale" in out:
         out["loss_scale"] = loss_scale_from_value(out["loss_scale"])
@@ -156,20 +156,20 @@ def _lists(d: Any, key: str) -> dict[str, Any]:
 
 
 def policy_from_mapping(d: Mapping[str, Any], preset: Callable[[str], P]) -> P:
-    """A policy from a mapping (the :meth:`~mixprec.policy.Policy.to_dict` form, or a
+    """A policy from a mapping (the :meth:`~mixprec.policy.value.Policy.to_dict` form, or a
     partial one), built on ``preset(d.get("base", "auto"))``.
 
     Keys: ``base`` (a preset to start from; ``"auto"`` if absent), ``name`` (display only),
     the role fields, ``ops`` (lists set exactly: ``{"fp32": ["softmax"]}`` makes the fp32
     list just softmax), ``move_ops`` (ops moved into lists, like
-    :meth:`~mixprec.policy.Policy.with_ops`), ``modules`` (the complete list of module
+    :meth:`~mixprec.policy.value.Policy.with_ops`), ``modules`` (the complete list of module
     rules) and ``add_modules`` (rules added to the base's, or replacing the base's rule for
     the same pattern).
 
     :param preset: the preset a name stands for (raising :class:`PolicyError` for an
         unknown one).
     :raises PolicyError: a value of the wrong shape (checked first, whole:
-        :func:`mixprec.grammar.check_policy_mapping`), an unknown key, preset or value.
+        :func:`mixprec.policy.grammar.check_policy_mapping`), an unknown key, preset or value.
     """
     check_policy_mapping(d)
     unknown = sorted(set(d) - set(MAPPING_KEYS))

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.cli_format import positive_int
+from mixprec.engine.plugins import load_backend
 from mixprec.errors import AdviceError
-from mixprec.grammar import split_items
-from mixprec.plugins import load_backend
+from mixprec.policy.grammar import split_items
 
 __all__ = ["add_parser", "backend_of", "load_factory", "split_candidates"]
 

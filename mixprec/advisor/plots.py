@@ -1,4 +1,4 @@
-"""The advisor's PNG plots (:meth:`mixprec.advice.AdviceReport.plot`).
+"""The advisor's PNG plots (:meth:`mixprec.advisor.report.AdviceReport.plot`).
 
 matplotlib's object API (``Figure``), never ``pyplot``: no global state, no display needed.
 The report is read through the :class:`PlottedReport` protocol, so this module sits below
@@ -19,7 +19,7 @@ __all__ = ["PlottedReport", "plot_report"]
 
 
 class PlottedReport(Protocol):
-    """What the plots read of an :class:`~mixprec.advice.AdviceReport`."""
+    """What the plots read of an :class:`~mixprec.advisor.report.AdviceReport`."""
 
     @property
     def backend(self) -> str: ...

@@ -10,8 +10,8 @@ The default lists follow torch.autocast, apex and mxnet.contrib.amp: matrix prod
 low precision, reductions, exponentials, norms and losses in float32, and elementwise ops
 that mix inputs promote to the widest of them. bfloat16 has float32's exponent range, so
 the ops kept in float32 only for float16's range (``pow``, ``prod``) pass through under it.
-The :class:`~mixprec.rules.OpRules` built from these names live with the presets
-(:func:`mixprec.presets.default_op_rules`): this module is vocabulary only.
+The :class:`~mixprec.policy.rules.OpRules` built from these names live with the presets
+(:func:`mixprec.policy.presets.default_op_rules`): this module is vocabulary only.
 """
 
 from __future__ import annotations

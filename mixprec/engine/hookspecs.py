@@ -6,7 +6,7 @@ parameters, what it returns, whether it is ``firstresult``, and a paragraph for 
 authors. The reference page ``docs/plugins.md`` is checked against this file by the tests.
 
 Core code never calls ``pm.hook.<name>(...)`` directly: it goes through the typed wrappers in
-:mod:`mixprec.plugins`.
+:mod:`mixprec.engine.plugins`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pluggy
 if TYPE_CHECKING:
     from mixprec.backend import BackendInfo, NativeDtypes
     from mixprec.events import ScaleEvent
-    from mixprec.policy import Policy
+    from mixprec.policy.value import Policy
 
 PROJECT_NAME = "mixprec"
 
@@ -37,7 +37,7 @@ def mixprec_register_backends() -> Sequence[BackendInfo]:
 
     :returns: a sequence of :class:`mixprec.backend.BackendInfo`, usually one. Results from
         all plugins are concatenated; two plugins declaring the same backend name is an
-        error reported by :func:`mixprec.plugins.list_backends`.
+        error reported by :func:`mixprec.engine.plugins.list_backends`.
 
     Not ``firstresult``.
 
@@ -52,7 +52,7 @@ def mixprec_register_backends() -> Sequence[BackendInfo]:
 def mixprec_presets() -> Mapping[str, Policy | Mapping[str, Any]]:
     """Contribute named policy presets.
 
-    :returns: a mapping from preset name to a :class:`mixprec.policy.Policy` or to its
+    :returns: a mapping from preset name to a :class:`mixprec.policy.value.Policy` or to its
         ``to_dict()`` form. Names must not collide with built-in presets or aliases.
 
     Not ``firstresult``: presets from every plugin are merged.
@@ -113,7 +113,7 @@ def mixprec_policy_resolved(policy: Policy, backend: str, device: str) -> None:
     Not ``firstresult``.
 
     For backend authors: resolve your policy once per wrap with
-    :func:`mixprec.spec.resolve_for_device`, which fires this hook after ``auto`` is
+    :func:`mixprec.engine.spec.resolve_for_device`, which fires this hook after ``auto`` is
     resolved and your own dtype check passed, so loggers see exactly what will run.
     """
 
@@ -133,7 +133,7 @@ def mixprec_scale_event(event: ScaleEvent, step: int) -> None:
 
     Not ``firstresult``.
 
-    For backend authors: :class:`mixprec.scaler.LossScaler` emits these for you; a backend
+    For backend authors: :class:`mixprec.engine.scaler.LossScaler` emits these for you; a backend
     that drives the core scaler never calls this hook itself.
     """
 
@@ -148,7 +148,7 @@ def mixprec_step_skipped(step: int, loss_scale: float) -> None:
 
     Not ``firstresult``.
 
-    For backend authors: emitted by :class:`mixprec.scaler.LossScaler` after the
+    For backend authors: emitted by :class:`mixprec.engine.scaler.LossScaler` after the
     cross-rank reduction, so every rank reports the same skips. Schedulers and loggers hook
     here to stay in step with skipped updates.
     """

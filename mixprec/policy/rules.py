@@ -2,7 +2,7 @@
 
 :class:`OpRules` puts each op in at most one of five lists; :class:`ModuleRule` overrides
 the policy for the modules whose class name or qualified name matches a glob. Both are
-re-exported by :mod:`mixprec.policy`, which is where they are documented for users.
+re-exported by :mod:`mixprec.policy.value`, which is where they are documented for users.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from mixprec.dtypes import canonical_dtype
 from mixprec.errors import PolicyError
-from mixprec.ops import check_op_name
+from mixprec.policy.ops import check_op_name
 
 __all__ = ["LIST_NAMES", "ListName", "ModuleRule", "OpRules", "list_name", "with_rule"]
 
@@ -57,7 +57,7 @@ class OpRules:
     ``banned``.
 
     An op in no list behaves as passthrough. Ops are neutral families
-    (:data:`mixprec.ops.OP_FAMILIES`) or ``"<backend>:<native>"`` names.
+    (:data:`mixprec.policy.ops.OP_FAMILIES`) or ``"<backend>:<native>"`` names.
 
     :raises PolicyError: an unknown op, or one op in two lists.
     """

@@ -1,6 +1,6 @@
 """The text pieces of policy specs: items, op lists, loss scales, module rules, TOML.
 
-Nothing here knows about presets; :mod:`mixprec.spec` assembles these pieces into whole
+Nothing here knows about presets; :mod:`mixprec.engine.spec` assembles these pieces into whole
 policies. The loss-scale grammar::
 
     none                                  NoScale()
@@ -26,14 +26,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from mixprec.errors import PolicyError
-from mixprec.loss_scale import (
+from mixprec.numerics.loss_scale import (
     LOSS_SCALE_KINDS,
     DynamicScale,
     LossScaleConfig,
     NoScale,
     StaticScale,
 )
-from mixprec.rules import ListName, ModuleRule, list_name
+from mixprec.policy.rules import ListName, ModuleRule, list_name
 
 __all__ = [
     "DYNAMIC_FIELDS",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 
 from mixprec.dtypes import POLICY_DTYPES
 from mixprec.errors import LockError
-from mixprec.grammar import toml_dumps
+from mixprec.policy.grammar import toml_dumps
 
 __all__ = ["FORMAT", "OpLock", "PrecisionLock", "changes", "parse_lock", "read_lock_file"]
 
@@ -125,11 +126,11 @@ class PrecisionLock:
 
 
 def _toml() -> Any:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10
+    else:  # Python 3.10
         try:
-            import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
+            import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             raise LockError(
                 "reading a lock file needs Python 3.11+ (tomllib) or `pip install tomli`"

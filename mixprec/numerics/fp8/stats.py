@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixprec.fp8 import FP8_RECIPES, ROLES
+from mixprec.numerics.fp8.recipes import FP8_RECIPES, ROLES
 
 __all__ = ["FP8Statistics", "QuantError", "Thresholds"]
 

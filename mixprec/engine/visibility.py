@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from mixprec.backend import Capabilities, UnseenOp
 from mixprec.errors import PolicyError
-from mixprec.policy import Policy
+from mixprec.policy.value import Policy
 
 __all__ = ["check_rules_visible", "refused_rules", "unseen_notes"]
 

@@ -16,15 +16,15 @@ Items apply in three phases, whatever order they are written in:
 2. the role fields ``param``/``params``, ``compute``, ``output``, ``master`` (``none``
    for no masters), ``reduce``, ``state`` (``bfloat16`` keeps the optimizer state in
    bfloat16 under a compensated master) and ``loss_scale`` apply together, as
-   :func:`mixprec.presets.derive` does (it says what a changed compute re-derives);
+   :func:`mixprec.policy.presets.derive` does (it says what a changed compute re-derives);
 3. op and module edits apply in the order written: ``fp32+=softmax|exp`` moves ops into a
    list, ``fp32=softmax|exp`` sets the list to exactly those ops;
    ``class:<glob>=...``/``path:<glob>=...`` adds a module rule or replaces the one for that
    pattern, and ``modules=none`` drops every rule.
 
-Module rule values and loss scales are described in :mod:`mixprec.grammar`.
+Module rule values and loss scales are described in :mod:`mixprec.policy.grammar`.
 ``str(policy)`` writes the preset name when the policy equals a built-in preset, else the
-shortest spec relative to a built-in base (:func:`mixprec.forms.format_policy`);
+shortest spec relative to a built-in base (:func:`mixprec.policy.forms.format_policy`);
 ``get_policy(str(p)) == p`` always.
 
 Mappings (and so TOML files) use the keys of :func:`policy_from_mapping`.
@@ -35,19 +35,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from mixprec.backend import Capabilities
+from mixprec.engine.plugins import plugin_presets, policy_resolved
 from mixprec.errors import PolicyError, UnsupportedDtypeError
-from mixprec.forms import ROLE_KEYS, format_policy, parsed_roles
-from mixprec.forms import policy_from_mapping as _from_mapping
-from mixprec.grammar import parse_module_rule, split_items, split_ops
-from mixprec.plugins import plugin_presets, policy_resolved
-from mixprec.policy import ModuleRule, Policy, builtin_preset
-from mixprec.presets import ROLE_FIELDS, builtin_preset_names, derive, resolve_auto
-from mixprec.rules import LIST_NAMES, list_name, with_rule
+from mixprec.policy.forms import ROLE_KEYS, format_policy, parsed_roles
+from mixprec.policy.forms import policy_from_mapping as _from_mapping
+from mixprec.policy.grammar import parse_module_rule, split_items, split_ops
+from mixprec.policy.presets import ROLE_FIELDS, builtin_preset_names, derive, resolve_auto
+from mixprec.policy.rules import LIST_NAMES, list_name, with_rule
+from mixprec.policy.value import ModuleRule, Policy, builtin_preset
 
 __all__ = [
     "PolicySpec",
@@ -149,17 +150,18 @@ def policy_to_toml(policy: Policy) -> str:
 
 def policy_from_mapping(d: Mapping[str, Any]) -> Policy:
     """A policy from a mapping: the :meth:`Policy.to_dict` form, or a partial one on a
-    ``base`` preset, built-in or a plugin's (keys: :func:`mixprec.forms.policy_from_mapping`)."""
+    ``base`` preset, built-in or a plugin's (keys:
+    :func:`mixprec.policy.forms.policy_from_mapping`)."""
     return _from_mapping(d, preset)
 
 
 def read_toml(path_or_text: str | os.PathLike[str]) -> Policy:
     """A policy from a TOML file or TOML text (keys as in :func:`policy_from_mapping`)."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10
+    else:  # Python 3.10
         try:
-            import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
+            import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             raise PolicyError(
                 "reading TOML policies needs Python 3.11+ (tomllib) or `pip install tomli`"
@@ -258,7 +260,7 @@ def get_policy(spec: PolicySpec = "auto", **overrides: Any) -> Policy:
         :class:`Policy`, or a mapping in :meth:`Policy.to_dict` form (partial ones build on
         ``"base"``). None means ``"auto"``.
     :param overrides: ``param`` (or ``params``), ``compute``, ``output``, ``master``,
-        ``reduce``, ``state``, ``loss_scale``; :mod:`mixprec.presets` says what a changed
+        ``reduce``, ``state``, ``loss_scale``; :mod:`mixprec.policy.presets` says what a changed
         compute re-derives.
     :raises PolicyError: an unknown preset, key, dtype or op, or a contradictory policy.
     """

@@ -19,7 +19,7 @@ scales. A recipe says where the scales come from.
     and per output feature, the weight per input column, the input per feature).
 ``delayed``
     One scale per tensor from the history of its amax
-    (:class:`~mixprec.fp8_scaling.DelayedScaling`): ``s = fmt_max / max(history) /
+    (:class:`~mixprec.numerics.fp8.scaling.DelayedScaling`): ``s = fmt_max / max(history) /
     2**margin``, the history (default 16 steps, margin 0) updated after each step that is
     not skipped. Until a tensor has a history (the first
     step) it is scaled as ``tensorwise``.
