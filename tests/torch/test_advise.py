@@ -49,7 +49,7 @@ def sgd(params: object) -> torch.optim.Optimizer:
 
 
 @pytest.fixture(scope="module")
-def fragile_report() -> mixprec.advice.AdviceReport:
+def fragile_report() -> mixprec.advisor.report.AdviceReport:
     return mpt.advise(
         fragile_net(), sgd, tiny_batches(), nn.functional.cross_entropy, ["O2"], 6, progress=False
     )

@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
 from mixprec.errors import CheckpointError, MixprecWarning  # noqa: E402
-from mixprec.fp8 import FP8_RECIPES, tensor_scale  # noqa: E402
+from mixprec.numerics.fp8.recipes import FP8_RECIPES, tensor_scale  # noqa: E402
 
 
 class Net(nn.Module):
