@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: demo test test-fast lint bench docs install clean gpu-check
+.PHONY: demo test test-fast lint bench docs install clean gpu-check dist
 
 # The JAX plugin's own environment: JAX needs NumPy 2, MXNet 1.9.1 needs NumPy 1.23.5.
 JAX_VENV  := .venv-jax
@@ -25,14 +25,30 @@ $(JAX_STAMP): pyproject.toml $(JAX_PIN) plugins/mixprec-jax/pyproject.toml
 		-e ./plugins/mixprec-numpy
 	touch $(JAX_STAMP)
 
-install: $(STAMP) $(JAX_STAMP)
+# The wheels a fresh `pip install 'mixprec[jax]' flax` needs besides mixprec's own (pinned as
+# .venv-jax is), downloaded once (pip's cache makes it quick): the JAX plugin's install test
+# installs from them and dist/ alone, offline (plugins/mixprec-jax/tests/test_install.py).
+WHEELHOUSE := build/wheelhouse/.complete
+$(WHEELHOUSE): $(JAX_PIN) | $(JAX_STAMP)
+	$(JAX_BIN)/python -m pip download -q -d build/wheelhouse -c $(JAX_PIN) \
+		pluggy jax optax flax 'setuptools>=68' wheel
+	touch $(WHEELHOUSE)
+
+install: $(STAMP) $(JAX_STAMP) $(WHEELHOUSE)
+
+# The wheels of mixprec and its plugins, as a release publishes them:
+# `pip install --find-links dist 'mixprec[jax]'` installs from them (docs/jax.md).
+dist:
+	# setuptools builds in each project's build/ and never removes a stale module from it
+	rm -rf dist build/lib build/bdist.* plugins/mixprec-numpy/build plugins/mixprec-jax/build
+	$(PYTHON) -m pip wheel -q --no-deps -w dist . ./plugins/mixprec-numpy ./plugins/mixprec-jax
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 # The suite's time is part of its contract: both runs print their 25 slowest tests, and
 # README.md records the whole run's time and test count on the machine it was last taken on.
-test: $(STAMP) $(JAX_STAMP)
+test: $(STAMP) $(JAX_STAMP) $(WHEELHOUSE)
 	$(BIN)/python -m pytest --durations=25
 	# the JAX plugin's tests (flax, optax, its conformance run) in their own environment
 	cd plugins/mixprec-jax && ../../$(JAX_BIN)/python -m pytest --durations=10
