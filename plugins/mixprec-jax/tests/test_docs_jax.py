@@ -4,7 +4,11 @@ runs in fresh environments."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
 import runpy
+import textwrap
 from pathlib import Path
 
 import jax
@@ -82,3 +86,43 @@ def test_the_readme_snippet_runs_as_written(readme: str, heading: str | None) ->
     assert not bool(info.skipped)  # type: ignore[attr-defined]
     masters = jax.tree_util.tree_leaves(namespace["params"])
     assert {str(p.dtype) for p in masters} == {"float32"}
+
+
+REFERENCE = _page.ROOT / "docs" / "reference" / "jax.md"
+
+
+def test_every_public_name_is_on_the_reference_page() -> None:
+    import mixprec_jax
+
+    targets = re.findall(r"^::: mixprec_jax\.(\w+)$", REFERENCE.read_text(encoding="utf-8"), re.M)
+    assert len(targets) == len(set(targets)), targets
+    missing = sorted(set(mixprec_jax.__all__) - set(targets))
+    assert not missing, f"docs/reference/jax.md lacks {missing}"
+    for name in targets:  # and each one resolves (a module of the package, or a name)
+        assert hasattr(mixprec_jax, name) or importlib.import_module(f"mixprec_jax.{name}")
+
+
+def _examples(doc: str) -> list[str]:
+    """The literal blocks that follow an ``Example::`` line."""
+    lines, blocks = inspect.cleandoc(doc).splitlines(), []
+    for i, line in enumerate(lines):
+        if line.strip() != "Example::":
+            continue
+        indent = len(line) - len(line.lstrip())
+        block = []
+        for row in lines[i + 1 :]:
+            if row.strip() and len(row) - len(row.lstrip()) <= indent:
+                break
+            block.append(row)
+        blocks.append(textwrap.dedent("\n".join(block)).strip() + "\n")
+    return blocks
+
+
+@pytest.mark.parametrize("name", sorted(__import__("mixprec_jax").__all__))
+def test_every_public_name_has_an_example_that_runs(name: str) -> None:
+    import mixprec_jax
+
+    examples = _examples(getattr(mixprec_jax, name).__doc__ or "")
+    assert examples, f"mixprec_jax.{name} has no 'Example::' in its docstring"
+    for example in examples:
+        exec(compile(example, f"mixprec_jax.{name}'s example", "exec"), {})

@@ -69,7 +69,15 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 
 
 def conformance_adapter() -> JaxConformanceAdapter:
-    """The adapter mixprec's conformance suite drives (see :mod:`mixprec.testing`)."""
+    """The adapter mixprec's conformance suite drives (see :mod:`mixprec.testing`).
+
+    Example::
+
+        import mixprec.jax as mpj
+
+        adapter = mpj.conformance_adapter()  # a backend's tests/conftest.py names it
+        assert adapter.name == "jax"
+    """
     from mixprec_jax.conformance import JaxConformanceAdapter
 
     return JaxConformanceAdapter()

@@ -38,7 +38,18 @@ __all__ = [
 
 def round_with_noise(x: jax.Array, noise: jax.Array) -> jax.Array:
     """``x`` (float32) rounded to a bfloat16 neighbour by adding ``noise`` (uint32 in
-    ``[0, 2**16)``) to its low 16 bits and clearing them; NaNs stay NaN."""
+    ``[0, 2**16)``) to its low 16 bits and clearing them; NaNs stay NaN.
+
+    Example::
+
+        import jax.numpy as jnp
+
+        import mixprec.jax as mpj
+
+        x = jnp.float32(1.0 + 2.0**-8)  # halfway between two bfloat16 neighbours
+        assert float(mpj.round_with_noise(x, jnp.uint32(0))) == 1.0  # no noise: down
+        assert float(mpj.round_with_noise(x, jnp.uint32(2**15))) == 1.0 + 2.0**-7  # up
+    """
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     rounded = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
     return jnp.where(jnp.isnan(x), x, rounded).astype(jnp.bfloat16)
@@ -52,7 +63,18 @@ def round_stochastic(x: jax.Array, key: jax.Array) -> jax.Array:
 
 def kahan_split(value: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The bfloat16 weight and compensation that together hold the float32 ``value``:
-    ``w = nearest(value)``, ``c = nearest(value - w)``."""
+    ``w = nearest(value)``, ``c = nearest(value - w)``.
+
+    Example::
+
+        import jax.numpy as jnp
+
+        import mixprec.jax as mpj
+
+        value = jnp.float32(1.0 + 2.0**-12)  # not a bfloat16 value
+        w, c = mpj.kahan_split(value)
+        assert float(w) == 1.0 and float(c) == 2.0**-12  # w + c holds it exactly
+    """
     weight = value.astype(jnp.bfloat16)
     return weight, (value - weight.astype(jnp.float32)).astype(jnp.bfloat16)
 

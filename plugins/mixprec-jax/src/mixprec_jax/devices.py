@@ -75,7 +75,18 @@ def _describe(device: jax.Device) -> DeviceCapability:
 
 @functools.lru_cache(maxsize=1)
 def capabilities() -> Capabilities:
-    """Every device JAX sees, with the op families the plugin cannot see."""
+    """Every device JAX sees, with the op families the plugin cannot see.
+
+    Example::
+
+        import mixprec.jax as mpj
+
+        caps = mpj.capabilities()
+        cpu = caps.device("cpu:0")
+        assert "bfloat16" in cpu.compute_dtypes  # XLA compiles it on a CPU...
+        assert cpu.fast_dtypes == ()  # ...through float32 kernels: 'auto' picks float32
+        assert caps.unseen("add") is not None  # x + y reaches no function to wrap
+    """
     return Capabilities(
         backend="jax",
         framework_version=jax.__version__,

@@ -41,7 +41,18 @@ def explain(
     module: str | None = None,
     module_class: str | Sequence[str] | None = None,
 ) -> str:
-    """The policy's chain for ``op``, then whether and how the JAX backend applies it."""
+    """The policy's chain for ``op``, then whether and how the JAX backend applies it.
+
+    Example::
+
+        import mixprec
+        import mixprec.jax as mpj
+
+        text = mpj.explain(mixprec.get_policy("O1-bf16"), "softmax", ["bfloat16"])
+        assert "Result: float32" in text  # O1 keeps softmax in float32
+        assert text.endswith("jax: applies this rule to calls of jax.nn.softmax, "
+                             "flax.linen.softmax")
+    """
     text = policy.explain(op, tuple(input_dtypes), module=module, module_class=module_class)
     caps = capabilities()
     entry = caps.unseen(op)

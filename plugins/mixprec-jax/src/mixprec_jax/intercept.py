@@ -286,13 +286,27 @@ def _targets() -> tuple[tuple[Any, str, str], ...]:
 def policy_scope(policy: Policy) -> Iterator[Scope]:
     """Apply ``policy``'s op and module rules to the JAX code run (or traced) inside.
 
-    >>> with mixprec.jax.policy_scope(opt.policy):  # doctest: +SKIP
-    ...     logits = model.apply(params, x)         # Dense in bfloat16, BatchNorm in float32
-
     Yields the :class:`Scope`, which records the modules and ops it saw. Scopes in
     different threads do not overlap (a lock serialises them); in one thread they nest,
     the innermost policy deciding. The step of :meth:`mixprec_jax.Optimizer.make_step`
-    opens one while it traces the loss.
+    opens one while it traces the loss. Evaluate a trained model under the policy it was
+    trained with, so that each module computes in the same dtype:
+
+    Example::
+
+        import flax.linen as nn
+        import jax
+
+        import mixprec
+        import mixprec.jax as mpj
+
+        model = nn.Sequential([nn.Dense(4), nn.LayerNorm()])
+        x = jax.numpy.ones((8, 4))
+        params = model.init(jax.random.key(0), x)
+        with mpj.policy_scope(mixprec.get_policy("O1-bf16")) as scope:
+            out = model.apply(params, x)  # float32 out: O1 casts outputs back
+        assert scope.modules["layers_0"].output == "bfloat16"  # the Dense computed in bf16
+        assert scope.modules["layers_1"].output == "float32"  # O1 keeps layer_norm fp32
     """
     global _active
     with _lock:
@@ -329,6 +343,17 @@ def modules_of(model: Any, *args: Any, **kwargs: Any) -> dict[str, tuple[str, ..
     Runs ``model.init`` abstractly (``jax.eval_shape``: no arrays are computed). Pass the
     result as ``Optimizer(..., modules=...)`` when class rules must be known before the
     first step (see :meth:`mixprec_jax.Optimizer.init`).
+
+    Example::
+
+        import flax.linen as nn
+        import jax
+
+        import mixprec.jax as mpj
+
+        model = nn.Sequential([nn.Dense(4), nn.LayerNorm()])
+        modules = mpj.modules_of(model, jax.numpy.ones((2, 3)))
+        assert modules["layers_1"][0] == "LayerNorm"  # path -> classes, most derived first
     """
     import flax.linen as nn
 

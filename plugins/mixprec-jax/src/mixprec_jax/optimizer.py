@@ -46,6 +46,32 @@ Step = Callable[[State, PyTree], tuple[jax.Array, State, StepInfo]]
 class Optimizer:
     """An optax optimizer under a mixprec policy.
 
+    Example::
+
+        import flax.linen as nn
+        import jax
+        import optax
+
+        import mixprec.jax as mpj
+
+        model = nn.Dense(2)
+        x, y = jax.numpy.ones((8, 4)), jax.numpy.zeros(8, jax.numpy.int32)  # a batch of 8
+        params = model.init(jax.random.key(0), x)
+
+
+        def loss_fn(params, batch):
+            inputs, labels = batch
+            logits = model.apply(params, inputs)  # a bfloat16 Dense under O2-bf16
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+        opt = mpj.Optimizer(optax.adamw(1e-3), policy="O2-bf16")
+        state = opt.init(params)
+        step = opt.make_step(loss_fn)
+        loss, state, info = step(state, (x, y))
+        assert not info.skipped and int(state.steps) == 1
+        assert opt.params(state)["params"]["kernel"].dtype == jax.numpy.float32  # masters
+
     :param tx: the optax ``GradientTransformation`` (``optax.adamw(1e-3)``, a chain ...).
     :param policy: any policy spec (``"O2-bf16"``, ``"O1"``, ``"auto"``, a key-grammar
         string, a dict, a TOML path or a :class:`~mixprec.Policy`).

@@ -17,7 +17,19 @@ __all__ = ["ScaleArrays", "State", "StepInfo"]
 
 
 class ScaleArrays(NamedTuple):
-    """The loss scale's running fields on the device (:class:`mixprec.traced_scale.ScaleState`)."""
+    """The loss scale's running fields on the device (:class:`mixprec.traced_scale.ScaleState`).
+
+    Example::
+
+        import jax.numpy as jnp
+        import optax
+
+        import mixprec.jax as mpj
+
+        state = mpj.Optimizer(optax.sgd(0.1), policy="O2").init({"w": jnp.ones(3)})
+        assert float(state.loss_scale.scale) == 65536.0  # O2's dynamic scale starts at 2**16
+        assert int(state.loss_scale.good_steps) == 0
+    """
 
     scale: jax.Array
     """float32: the scale the next step multiplies the loss by."""
@@ -33,6 +45,20 @@ class State(NamedTuple):
     The weights the optimizer keeps are float32 masters (policies with ``master=float32``),
     the parameters themselves (no master: float32 under O0/O1, low precision under O3), or
     compensated bfloat16 weights (``master=kahan``/``stochastic``).
+
+    Example::
+
+        import jax
+        import optax
+
+        import mixprec.jax as mpj
+
+        params = {"w": jax.numpy.ones(3)}
+        state = mpj.Optimizer(optax.sgd(0.1), policy="O2-bf16").init(params)
+        assert state.weights["w"].dtype == jax.numpy.float32  # the float32 master
+        assert int(state.steps) == int(state.skipped_steps) == 0
+        assert float(state.loss_scale.scale) == 1.0  # bfloat16: no loss scaling
+        leaves = jax.tree_util.tree_leaves(state)  # a pytree of arrays: jit, pmap, savez
     """
 
     weights: PyTree
@@ -54,7 +80,22 @@ class State(NamedTuple):
 
 
 class StepInfo(NamedTuple):
-    """What one step reports besides the loss; every field is an array."""
+    """What one step reports besides the loss; every field is an array.
+
+    Example::
+
+        import jax.numpy as jnp
+        import optax
+
+        import mixprec.jax as mpj
+
+        opt = mpj.Optimizer(optax.sgd(0.1), policy="O2")  # float16, dynamic loss scale
+        step = opt.make_step(lambda p, b: jnp.sum(p["w"] * b))
+        batch = jnp.full(3, 1e30)  # inf once cast to float16: the gradients overflow
+        loss, state, info = step(opt.init({"w": jnp.ones(3)}), batch)
+        assert bool(info.skipped) and float(info.loss_scale) == 65536.0
+        assert float(state.loss_scale.scale) == 32768.0  # backed off for the next step
+    """
 
     skipped: jax.Array
     """bool: the step was skipped (inf/NaN gradients or an overflowing norm), on every
