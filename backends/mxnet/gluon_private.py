@@ -53,6 +53,7 @@ __all__ = [
     "own_params",
     "params_with_prefix",
     "reduce_precision_symbol",
+    "registered_params",
     "replace_param_data",
     "restore_deferred_state",
     "retrace_graph",
@@ -184,6 +185,11 @@ def children(block: gluon.Block) -> dict[str, gluon.Block]:
 def own_params(block: gluon.Block) -> list[gluon.Parameter]:
     """The parameters a block registered itself (not its children's)."""
     return list(block._reg_params.values())
+
+
+def registered_params(block: gluon.Block) -> dict[str, gluon.Parameter]:
+    """The parameters a block registered itself, by their attribute names (``"weight"``)."""
+    return dict(block._reg_params.items())
 
 
 def cached_graph(block: gluon.HybridBlock) -> tuple[Any, Symbol]:

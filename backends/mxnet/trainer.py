@@ -43,6 +43,7 @@ from mixprec.kit import (
     is_low_precision,
 )
 
+from .blocks import BlockTree, walk
 from .compensated.compensation import Compensation
 from .devices import device_key, resolve_policy
 from .gluon_private import (
@@ -52,12 +53,11 @@ from .gluon_private import (
     is_deferred,
     restore_deferred_state,
 )
-from .o1.graph import blocks_of
 from .step import checkpoint, optimizers, states  # noqa: F401 - optimizers registers "adamw"
 from .step.accumulation import Accumulation, check_grad_req, install_zero_grad
 from .step.running_stats import RunningStats
 from .stepping import Stepping
-from .wrapping.casting import convert_net, param_dtypes
+from .wrapping.casting import convert_net, param_dtypes, param_dtypes_by_name
 from .wrapping.checks import (
     check_dense,
     check_parameters,
@@ -124,7 +124,9 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         params = net.collect_params() if net is not None else net_or_params
         values = list(params.values()) if hasattr(params, "values") else list(params)
         check_parameters(values, type(net_or_params).__name__)
-        embeddings = sparse_embeddings(net)
+        # the construction plan: every later pass reads this one walk of the block tree
+        tree = walk(net) if net is not None else None
+        embeddings = sparse_embeddings(tree)
         check_dense([p for p in values if id(p) not in embeddings])
         contexts = values[0].list_ctx()
         self.policy: Policy = resolve_policy(policy, contexts, **overrides)
@@ -132,12 +134,23 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         check_state(self.policy)
         self.device = device_key(contexts[0])
         check_unclaimed(values)  # after the policy: a policy this device cannot run is named first
-        for info in blocks_of(net) if net is not None else ():
+        for info in tree.blocks if tree is not None else ():
             check_not_amp_converted(info.block)
-        snapshot = Snapshot(net, values)
+        self._tree: BlockTree | None = tree
+        """The construction's one walk of the net (None without a net)."""
+        snapshot = Snapshot(
+            [info.block for info in tree.blocks] if tree is not None else [], values
+        )
         try:
             self._build(
-                net, params, optimizer, optimizer_params, kvstore, compression_params, step_guard
+                net,
+                params,
+                values,
+                optimizer,
+                optimizer_params,
+                kvstore,
+                compression_params,
+                step_guard,
             )
         except BaseException:
             snapshot.restore()  # a failed construction leaves the net as it was
@@ -149,19 +162,24 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         self,
         net: gluon.Block | None,
         params: Any,
+        values: list[gluon.Parameter],
         optimizer: Any,
         optimizer_params: dict[str, Any] | None,
         kvstore: Any,
         compression_params: dict[str, Any] | None,
         step_guard: StepGuard,
     ) -> None:
-        if net is not None:
-            densify_embeddings(net)
+        tree = self._tree
+        if tree is not None:
+            densify_embeddings(tree)
         super().__init__(params, optimizer, optimizer_params, kvstore, compression_params, False)
         self.scaler = LossScaler(self.policy.loss_scale, guard=step_guard)
         """The loss-scale state and step/skip counters (shared state for one group)."""
         self._tracker = StepTracker()
-        self._plan = param_dtypes(net if net is not None else params, self.policy, self.device)
+        if tree is not None:
+            self._plan = param_dtypes(tree, values, self.policy, self.device)
+        else:
+            self._plan = param_dtypes_by_name(params, self.policy)
         check_grad_req(self._plan, self.policy.label)
         if any(is_low_precision(dtype) for _, dtype in self._plan):
             install_zero_grad()
@@ -176,11 +194,13 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         self._compensation: Compensation | None = None
         """Under ``master=kahan|stochastic``: the strategy's buffers and its step passes."""
         self._running_stats: RunningStats | None = None
-        if net is not None:
+        if net is not None and tree is not None:
             # before convert_net: its input casts and deferred set-up then run first
-            stats = RunningStats(net)
+            stats = RunningStats(net, tree.post_order)
             self._running_stats = stats if stats.params else None
-            convert_net(net, self.policy, self.device, before_forward=self._before_forward)
+            convert_net(
+                net, tree, values, self.policy, self.device, before_forward=self._before_forward
+            )
             checkpoint.patch_net(net, self)
             patch_export(net, self)
         else:
@@ -216,11 +236,11 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         except (mx.MXNetError, AssertionError, ValueError) as err:
             restore_deferred_state(before)  # the net waits for a first input that fits
             raise WrapError(shape_refusal(net, args, err)) from err
-        if deferred and net is not None:
+        if deferred and self._tree is not None:
             # the shape inference traced the graphs before the weights had shapes: trace
             # again, so that the graph is the one a net with loaded shapes gets (the casts
             # around BatchNorm read the convolution's channels)
-            for info in blocks_of(net):
+            for info in self._tree.blocks:
                 clear_cached_graph(info.block)
         # the first forward pass may run inside autograd.record(), which refuses the writes
         # that set up masters, casts and the kvstore broadcast (none of them is part of the

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mxnet as mx
@@ -30,9 +29,9 @@ from mxnet.symbol import Symbol
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.kit import FLOAT32, Policy, is_floating, module_rule
 
+from ..blocks import BlockInfo, blocks_of
 from ..dtypes import dtype_name, mx_dtype, mx_type_code
 from ..gluon_private import (
-    children,
     compose,
     dtype_from_type_code,
     infer_type_codes,
@@ -42,35 +41,11 @@ from ..gluon_private import (
 from ..ops import AmpLists, amp_lists, family_of, native_name
 
 __all__ = [
-    "BlockInfo",
-    "blocks_of",
     "convert_symbol",
     "install_graph_pass",
     "node_dtypes",
     "protect_accumulation",
 ]
-
-
-@dataclass(frozen=True)
-class BlockInfo:
-    """A block of the net as module rules see it: qualified path, class names, name prefix."""
-
-    path: str
-    classes: tuple[str, ...]
-    prefix: str
-    block: Any
-
-
-def class_names(block: Any) -> tuple[str, ...]:
-    """The block's class name and its base classes' (so ``*BatchNorm*`` catches subclasses)."""
-    return tuple(cls.__name__ for cls in type(block).__mro__ if cls is not object)
-
-
-def blocks_of(net: Any, path: str = "") -> Iterator[BlockInfo]:
-    """Every block of ``net``, parents first; child paths join names with dots (``"0.1"``)."""
-    yield BlockInfo(path, class_names(net), net.prefix, net)
-    for name, child in children(net).items():
-        yield from blocks_of(child, f"{path}.{name}" if path else name)
 
 
 def _owner(name: str, blocks: Sequence[BlockInfo]) -> BlockInfo | None:
@@ -201,15 +176,23 @@ def node_dtypes(sym: Symbol, **input_dtypes: str) -> dict[str, str]:
     return out
 
 
-def install_graph_pass(net: gluon.HybridBlock, policy: Policy, device: str) -> None:
+def install_graph_pass(
+    net: gluon.HybridBlock,
+    policy: Policy,
+    device: str,
+    blocks: Sequence[BlockInfo] | None = None,
+) -> None:
     """Make ``net`` run its hybridized graph converted per ``policy`` (in place).
 
     The conversion happens when the graph is traced (the first call, or after a
     ``hybridize()`` that clears the cache), for the dtypes of the inputs of that call and the
     ``grad_req`` the parameters have then (set ``grad_req='add'`` before the first forward, or
     call ``net.hybridize()`` again after changing it).
+
+    :param blocks: ``net``'s blocks as :func:`~mixprec_mxnet.blocks.blocks_of` lists them,
+        where the caller has walked the net already (the Trainer's construction plan).
     """
-    blocks = list(blocks_of(net))
+    blocks = list(blocks_of(net)) if blocks is None else list(blocks)
 
     def convert(trace: Callable[[], tuple[Any, Symbol]], args: Sequence[Any]) -> Any:
         try:

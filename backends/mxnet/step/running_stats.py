@@ -16,6 +16,7 @@ channel, into arrays allocated once), none for a net without BatchNorm.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from mxnet import autograd, gluon, nd
@@ -29,17 +30,16 @@ class RunningStats:
     """The running statistics of every BatchNorm block of ``net``, with the copy of the
     step in progress."""
 
-    def __init__(self, net: gluon.Block) -> None:
+    def __init__(self, net: gluon.Block, blocks: Iterable[gluon.Block]) -> None:
+        """:param blocks: ``net``'s blocks, children first (``Block.apply``'s order; the
+        Trainer's construction walk keeps them)."""
         found: list[gluon.Parameter] = []
-
-        def collect(block: gluon.Block) -> None:
+        for block in blocks:
             if isinstance(block, gluon.nn.BatchNorm):
                 for name in _STATS:
                     param = getattr(block, name, None)
                     if isinstance(param, gluon.Parameter) and param not in found:
                         found.append(param)
-
-        net.apply(collect)
         self.params = found
         """The ``running_mean`` / ``running_var`` parameters, in the net's order."""
         self._saved: list[list[nd.NDArray]] | None = None

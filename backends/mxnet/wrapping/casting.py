@@ -40,9 +40,10 @@ from mixprec.errors import MixprecWarning, WrapError
 from mixprec.kit import BFLOAT16, FLOAT32, Policy, is_low_precision
 
 from ..bf16_kernels import warn_islands
+from ..blocks import BlockInfo, BlockTree, walk
 from ..dtypes import cast, default_layout, dtype_name, mx_dtype
-from ..gluon_private import children, clear_cached_graph, is_active, own_params, replace_param_data
-from ..o1.graph import BlockInfo, blocks_of, install_graph_pass
+from ..gluon_private import clear_cached_graph, is_active, own_params, replace_param_data
+from ..o1.graph import install_graph_pass
 from ..ops import unsupported_natives
 from .islands import chained_islands, converting, enter, install_op_islands, leave
 from .symbol_blocks import fp32_params_by_op, install_symbol_islands
@@ -55,7 +56,9 @@ __all__ = [
     "convert_net",
     "needs_fp32_params",
     "param_dtypes",
+    "param_dtypes_by_name",
     "plan_net",
+    "plan_sites",
 ]
 
 #: Gluon layers whose MXNet op has no bfloat16 CPU kernel: float32 islands under bfloat16.
@@ -91,41 +94,49 @@ class BlockSite:
 
 def plan_net(net: gluon.Block, policy: Policy, device: str) -> list[BlockSite]:
     """Every block of ``net`` with its dtype, parents first."""
+    return plan_sites(walk(net), policy, device)
+
+
+def plan_sites(tree: BlockTree, policy: Policy, device: str) -> list[BlockSite]:
+    """Every block of the walked net with its dtype, parents first."""
+    net = tree.blocks[0].block
     around = {id(net): policy.param}
     sites = []
-    for info in blocks_of(net):
+    for info, kids in zip(tree.blocks, tree.children, strict=True):
         outside = around[id(info.block)]
         dtype = (None if info.block is net else _pinned(info, policy, device)) or outside
         sites.append(BlockSite(info, dtype, outside if dtype != outside else None))
-        for child in children(info.block).values():
-            around[id(child)] = dtype
+        for child in kids:
+            around[id(tree.blocks[child].block)] = dtype
     return sites
 
 
 def param_dtypes(
-    net_or_params: Any, policy: Policy, device: str
+    tree: BlockTree, params: Sequence[gluon.Parameter], policy: Policy, device: str
 ) -> list[tuple[gluon.Parameter, str]]:
-    """The dtype each parameter takes under ``policy``, in collect_params order.
-
-    With a ``ParameterDict`` (no blocks) a parameter's module is its name, matched by path
-    rules only, and BatchNorm parameters are recognised by name.
-    """
-    if not isinstance(net_or_params, gluon.Block):
-        params = list(net_or_params.values())
-        batch_norm = _batch_norm_params(params)
-        return [
-            (p, FLOAT32 if p.name in batch_norm else policy.param_dtype_for(p.name, None))
-            for p in params
-        ]
+    """The dtype each of the walked net's parameters takes under ``policy``, in the order of
+    ``params`` (the net's ``collect_params()``)."""
     chosen: dict[int, tuple[gluon.Parameter, str]] = {}
-    for site in plan_net(net_or_params, policy, device):
+    for site in plan_sites(tree, policy, device):
         dtype = site.dtype
         if needs_fp32_params(site.info) and is_low_precision(dtype):
             dtype = FLOAT32
         by_op = fp32_params_by_op(site.info.block) if is_low_precision(dtype) else set()
         for param in own_params(site.info.block):
             chosen.setdefault(id(param), (param, FLOAT32 if param.name in by_op else dtype))
-    return [chosen[id(p)] for p in net_or_params.collect_params().values() if id(p) in chosen]
+    return [chosen[id(p)] for p in params if id(p) in chosen]
+
+
+def param_dtypes_by_name(params: Any, policy: Policy) -> list[tuple[gluon.Parameter, str]]:
+    """The dtype each parameter of a ``ParameterDict`` (no blocks) takes under ``policy``: a
+    parameter's module is its name, matched by path rules only, and BatchNorm parameters are
+    recognised by name."""
+    values = list(params.values())
+    batch_norm = _batch_norm_params(values)
+    return [
+        (p, FLOAT32 if p.name in batch_norm else policy.param_dtype_for(p.name, None))
+        for p in values
+    ]
 
 
 def _batch_norm_params(params: Sequence[gluon.Parameter]) -> set[str]:
@@ -159,45 +170,52 @@ def cast_param(param: gluon.Parameter, dtype: str) -> None:
 
 def convert_net(
     net: gluon.Block,
+    tree: BlockTree,
+    params: Sequence[gluon.Parameter],
     policy: Policy,
     device: str,
     before_forward: Callable[[Sequence[Any]], None] | None = None,
 ) -> None:
     """Install the policy's casts on ``net`` in place (parameters are cast by the caller).
 
+    :param tree: ``net`` walked (:func:`~mixprec_mxnet.blocks.walk`).
+    :param params: ``net.collect_params()``'s parameters.
     :param before_forward: called with the inputs of every call, before any cast (the
         Trainer finishes deferred parameter initialisation at the first, and marks the
         accumulating parameters before each recorded one).
     """
     if policy.casts_ops:
-        _install_op_casting(net, policy, device)
+        _install_op_casting(tree, 0, policy, device)
     else:
-        _install_islands(net, policy, device)
-        for info in blocks_of(net):  # a graph traced before the conversion runs float32
+        _install_islands(tree, params, policy, device)
+        for info in tree.blocks:  # a graph traced before the conversion runs float32
             clear_cached_graph(info.block)
     _install_boundary(net, policy, before_forward)
     if is_low_precision(policy.compute):
         warn_islands(policy.label, policy.compute, device)
 
 
-def _install_op_casting(net: gluon.Block, policy: Policy, device: str) -> None:
+def _install_op_casting(tree: BlockTree, index: int, policy: Policy, device: str) -> None:
     if is_low_precision(policy.param):
         raise WrapError(
             f"policy {policy.label} has op rules that cast and param={policy.param}: the Gluon "
             "backend casts ops only around float32 parameters (O1-style). Use O1 with op "
             "rules, or O2/O3 with module rules (policy.with_module(...)) instead of op rules"
         )
-    if isinstance(net, gluon.HybridBlock):
-        install_graph_pass(net, policy, device)
+    block = tree.blocks[index].block
+    if isinstance(block, gluon.HybridBlock):
+        install_graph_pass(block, policy, device, tree.subtree(index))
         return
-    for child in children(net).values():
-        _install_op_casting(child, policy, device)
+    for child in tree.children[index]:
+        _install_op_casting(tree, child, policy, device)
 
 
-def _install_islands(net: gluon.Block, policy: Policy, device: str) -> None:
-    params = {p.name: p for p in net.collect_params().values()}
+def _install_islands(
+    tree: BlockTree, net_params: Sequence[gluon.Parameter], policy: Policy, device: str
+) -> None:
+    params = {p.name: p for p in net_params}
     bf16_batch_norm = "BatchNorm" not in unsupported_natives(BFLOAT16, device)
-    for site in plan_net(net, policy, device):
+    for site in plan_sites(tree, policy, device):
         if site.outside is not None:
             fused = (
                 device == "cpu"

@@ -13,9 +13,9 @@ from mxnet import gluon
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.kit import BFLOAT16, Policy, is_low_precision
 
+from ..blocks import BlockTree
 from ..dtypes import dtype_name
 from ..gluon_private import dense_embedding_grad, is_deferred, is_sparse
-from ..o1.graph import blocks_of
 from ..ops import island_natives
 
 __all__ = [
@@ -96,22 +96,22 @@ def check_dense(params: Sequence[gluon.Parameter]) -> None:
         )
 
 
-def sparse_embeddings(net: gluon.Block | None) -> set[int]:
-    """ids of the weights of the net's ``Embedding(sparse_grad=True)`` layers."""
-    if net is None:
+def sparse_embeddings(tree: BlockTree | None) -> set[int]:
+    """ids of the weights of the walked net's ``Embedding(sparse_grad=True)`` layers."""
+    if tree is None:
         return set()
     found = set()
-    for info in blocks_of(net):
+    for info in tree.blocks:
         block = info.block
         if isinstance(block, gluon.nn.Embedding) and is_sparse(block.weight):
             found.add(id(block.weight))
     return found
 
 
-def densify_embeddings(net: gluon.Block) -> None:
+def densify_embeddings(tree: BlockTree) -> None:
     switched = [
         info.path or type(info.block).__name__
-        for info in blocks_of(net)
+        for info in tree.blocks
         if isinstance(info.block, gluon.nn.Embedding) and dense_embedding_grad(info.block)
     ]
     if switched:

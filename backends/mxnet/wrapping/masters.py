@@ -31,13 +31,15 @@ from mixprec.kit import (
 
 from ..compensated.compensation import Compensation, compensated_pairs
 from ..dtypes import cast, cast_into, default_layout, dtype_name, mx_dtype
-from ..gluon_private import init_from, is_deferred, params_with_prefix
+from ..gluon_private import init_from, is_deferred
 from ..step import distributed
 from ..step.accumulation import Accumulation
 from .casting import cast_param
 
 if TYPE_CHECKING:
     from mixprec.kit import Policy
+
+    from ..blocks import BlockTree
 
 __all__ = ["BROADCAST_KEY_BASE", "MasterSetup"]
 
@@ -59,7 +61,7 @@ class MasterSetup:
     _compensation: Compensation | None
     _accumulation: Accumulation
     _seed: int
-    _net: gluon.Block | None
+    _tree: BlockTree | None
     _plan: list[tuple[gluon.Parameter, str]]
     _transient: bool
     _buffers: dict[int, list[nd.NDArray]]
@@ -100,11 +102,11 @@ class MasterSetup:
         distributed.init_kvstore_eagerly(self)  # type: ignore[arg-type]
 
     def _structural_params(self) -> list[gluon.Parameter]:
-        """The net's parameters in its own order (``"0.weight"``, ``"0.bias"``...); the
-        Trainer's order when it was given parameters, not the net."""
-        if self._net is None:
+        """The net's parameters in its own order (``"0.weight"``, ``"0.bias"``...: the
+        construction's walk kept it); the Trainer's order when it was given parameters."""
+        if self._tree is None:
             return list(self._params)
-        return list(params_with_prefix(self._net).values())
+        return list(self._tree.structural)
 
     def _make_master(self, param: gluon.Parameter) -> gluon.Parameter:
         dtype = FLOAT32 if self._transient else self.policy.master or FLOAT32

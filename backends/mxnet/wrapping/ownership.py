@@ -19,8 +19,6 @@ from mxnet import gluon
 
 from mixprec.errors import WrapError
 
-from ..o1.graph import blocks_of
-
 __all__ = ["Snapshot", "check_unclaimed", "claim"]
 
 _CLAIMED: weakref.WeakKeyDictionary[gluon.Parameter, str] = weakref.WeakKeyDictionary()
@@ -47,8 +45,7 @@ def claim(params: Sequence[gluon.Parameter], label: str) -> None:
 class Snapshot:
     """The attributes of a net's blocks and of some parameters, to put back on failure."""
 
-    def __init__(self, net: gluon.Block | None, params: Sequence[gluon.Parameter]) -> None:
-        blocks = [info.block for info in blocks_of(net)] if net is not None else []
+    def __init__(self, blocks: Sequence[gluon.Block], params: Sequence[gluon.Parameter]) -> None:
         self._saved: list[tuple[Any, dict[str, Any]]] = [
             (obj, dict(vars(obj))) for obj in [*blocks, *params]
         ]

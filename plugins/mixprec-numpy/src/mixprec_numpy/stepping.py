@@ -1,7 +1,7 @@
 """The NumPy Trainer's step: backward, unscale, overflow check, then update or skip.
 
 :class:`Stepping` is the part of :class:`~mixprec_numpy.trainer.Trainer` that runs every
-iteration, named and shaped like the Gluon backend's ``mixprec_mxnet.stepping``: scale the
+iteration, in the order of the Gluon backend's ``mixprec_mxnet.step.protocol``: scale the
 loss in backward, unscale into float32 master gradients while checking for inf/NaN and a
 squared gradient norm beyond float32 (:mod:`mixprec.guard`; after ``unscale_`` the check
 waits for the step, so a clip or an edit in between is checked too), record
