@@ -18,7 +18,7 @@ but not in float16: a float16 policy is refused there.
 
 Modules, grouped into wings by job and named as in the PyTorch backend where they share one
 (``docs/architecture.md``, "The Gluon backend", maps them). At the top: :mod:`.trainer` (the
-Trainer: construction and user API), :mod:`.stepping` (its step), :mod:`.loop`
+Trainer: one class, its construction and every method the user calls), :mod:`.loop`
 (``scale_loss(loss, trainer)``, ``unscale_(trainer)`` and the other loop functions,
 torch-shaped), :mod:`.clipping` (``clip_global_norm`` over every context),
 :mod:`.diagnostics` (``dtype_report``, ``overflowing_params``, ``underflow_fraction``),
@@ -26,9 +26,10 @@ torch-shaped), :mod:`.clipping` (``clip_global_norm`` over every context),
 never imports MXNet); beneath them :mod:`.devices` (``capabilities()``: a module named
 ``capabilities`` would shadow the function once imported), :mod:`.ops` (neutral families to
 MXNet op names), :mod:`.bf16_kernels` (which ops have a bfloat16 CPU kernel here, probed
-once), :mod:`.dtypes` and :mod:`.gluon_private` (every private MXNet name used, with its
-reason). The wings: :mod:`.wrapping` (the net's conversion: refusals, casts, float32 islands,
-masters, one Trainer per net, export), :mod:`.step` (the step's data and parts:
+once), :mod:`.blocks` (the one walk of a net's blocks), :mod:`.dtypes` and
+:mod:`.gluon_private` (every private MXNet name used, with its reason). The wings:
+:mod:`.wrapping` (the net's conversion: refusals, casts, float32 islands, masters, one Trainer
+per net, export), :mod:`.step` (the step's functions over the data-only trainer state,
 ``grad_req='add'``, the kvstore, BatchNorm statistics, checkpoints), :mod:`.o1` (the graph
 pass, and what MXNet's own AMP lists do with each op, for the lockfile),
 :mod:`.compensated` (``master=kahan|stochastic``) and :mod:`.integrations`

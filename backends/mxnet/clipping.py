@@ -21,6 +21,7 @@ from mxnet import nd
 from mixprec.kit import Stage
 
 from .dtypes import cast
+from .step.protocol import trainable_grads
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -32,12 +33,13 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     """Reduce and unscale ``trainer``'s gradients, clip them to a global L2 norm of
     ``max_norm`` on every context, and return the norm they had (inf or NaN when a gradient
     overflowed: nothing is clipped then, and the next ``update`` skips the step)."""
-    tracker = trainer._tracker
+    st = trainer._mixprec
+    tracker = st.tracker
     if tracker.stage is not Stage.UNSCALED:
-        if not trainer.scaler.enabled and tracker.stage is Stage.READY and not tracker.backwards:
+        if not st.scaler.enabled and tracker.stage is Stage.READY and not tracker.backwards:
             tracker.on_backward()  # no scaling: a plain loss.backward() is as good
         trainer.unscale()
-    per_context = [list(grads) for grads in zip(*trainer._trainable_grads(), strict=True)]
+    per_context = [list(grads) for grads in zip(*trainable_grads(st), strict=True)]
     if not per_context:
         return 0.0
     # after the reduce every context holds the same sums: the first one's norm is global

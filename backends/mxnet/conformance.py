@@ -28,6 +28,7 @@ from .o1.graph import install_graph_pass, node_dtypes
 from .ops import FAMILY_OPS, island_families, supported_families, unsupported_natives
 from .trainer import Trainer
 from .wrapping.islands import install_op_islands
+from .wrapping.masters import ensure_prepared
 
 __all__ = ["OP_CASES", "MXNetAdapter", "MXNetConformanceTrainer", "conformance_adapter", "run_op"]
 
@@ -177,7 +178,7 @@ class MXNetConformanceTrainer:
     def master_params(self) -> dict[str, list[float]]:
         """The optimizer's masters (the parameter itself where there is no copy); under
         ``master=kahan`` the working masters hold ``w + c`` between steps."""
-        master_for = self.trainer._ensure_prepared().master_for
+        master_for = ensure_prepared(self.trainer._mixprec, self.trainer).master_for
         return {k: _values(master_for(p).data()) for k, p in self._named().items()}
 
     def optimizer_state(self) -> dict[str, list[float]]:

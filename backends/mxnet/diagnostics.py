@@ -5,7 +5,7 @@ report, the net the trainer converted):
 
 - :func:`dtype_report` prints each block's parameter dtype and the rule that chose it;
 - :func:`overflowing_params` names the parameters whose gradients were inf or NaN on the
-  latest skipped step. :func:`~mixprec_mxnet.stepping.record_overflows` finds them (part of
+  latest skipped step. :func:`~mixprec_mxnet.step.protocol.record_overflows` finds them (part of
   the step: it runs only when the overflow check fired, before the scaler's hooks run);
 - :func:`underflow_fraction` measures, on demand, how much of each gradient is too small for
   a dtype. Call it between the backward pass and ``step()`` (or after ``unscale()``).
@@ -38,10 +38,11 @@ from .dtypes import cast, dtype_name
 from .gluon_private import own_params
 from .ops import unsupported_natives
 from .step import checkpoint
-from .stepping import named_pairs, overflow_log, record_overflows
+from .step.protocol import named_pairs, record_overflows
 from .trainer import Trainer
 from .wrapping.casting import BlockSite, needs_fp32_params, plan_net
 from .wrapping.islands import block_natives
+from .wrapping.masters import ensure_prepared
 from .wrapping.symbol_blocks import FP32_PARAM_OPS, graph_ops
 
 __all__ = [
@@ -77,7 +78,7 @@ def module_dtypes(net_or_trainer: Any, *, every_module: bool = False) -> list[Mo
     """The rows of :func:`dtype_report`: blocks with parameters of their own or a module
     rule (every block with ``every_module=True``), parents first."""
     trainer = _trainer_of(net_or_trainer, "module_dtypes")
-    net, policy = trainer._net, trainer.policy
+    net, policy = trainer._mixprec.net, trainer.policy
     if net is None:
         raise WrapError(
             "this Trainer was given parameters, not the net, so it has no blocks to report; "
@@ -159,13 +160,13 @@ def dtype_report(net_or_trainer: Any, *, every_module: bool = False) -> str:
 def overflowing_params(trainer: Trainer) -> list[str]:
     """Names (``"0.weight"``, as ``net.save_parameters`` keys them) of the parameters whose
     gradients were inf or NaN on the latest skipped step; empty before the first skip."""
-    records = overflow_log(_trainer_of(trainer, "overflowing_params"))
+    records = _trainer_of(trainer, "overflowing_params")._mixprec.overflows
     return list(records[-1].params) if records else []
 
 
 def overflow_records(trainer: Trainer) -> list[OverflowRecord]:
     """The :class:`mixprec.OverflowRecord` of each of the last 100 skipped steps, oldest first."""
-    return list(overflow_log(_trainer_of(trainer, "overflow_records")))
+    return list(_trainer_of(trainer, "overflow_records")._mixprec.overflows)
 
 
 # ---------------------------------------------------------------------- underflow
@@ -181,12 +182,13 @@ def underflow_fraction(trainer: Trainer, dtype: str = "float16") -> dict[str, fl
     """
     trainer = _trainer_of(trainer, "underflow_fraction")
     threshold = underflow_threshold(dtype)
-    unscaled = trainer._tracker.stage is Stage.UNSCALED
+    unscaled = trainer._mixprec.tracker.stage is Stage.UNSCALED
     limit = (
         threshold if unscaled or not trainer.scaler.enabled else threshold * trainer.scaler.scale
     )
     names, small, nonzero = [], [], []
-    for name, param, master in named_pairs(trainer):
+    ensure_prepared(trainer._mixprec, trainer)  # the masters exist from here on
+    for name, param, master in named_pairs(trainer._mixprec):
         grads = master.list_grad() if unscaled else param.list_grad()
         magnitude = nd.concat(*[cast(g, FLOAT32).reshape((-1,)) for g in grads], dim=0).abs()
         names.append(name)

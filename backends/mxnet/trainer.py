@@ -1,4 +1,4 @@
-"""The Gluon Trainer: construction (policy, net conversion) and the user-facing API.
+"""The Gluon Trainer: one class, its construction and every method the user calls.
 
 :class:`Trainer` is a ``gluon.Trainer`` (``isinstance`` holds) built the same way, plus a
 ``policy``. One iteration::
@@ -9,13 +9,15 @@
             autograd.backward(scaled)
     trainer.step(batch_size)
 
-The class is assembled from one module per job: this one builds the trainer, converts the
-net and offers ``scale_loss``, the scaler's counters and the checkpoint methods;
-:mod:`~.wrapping.masters` makes the float32 masters, casts the parameters and broadcasts the initial
-weights; :mod:`.stepping` runs ``step`` (``allreduce_grads`` + ``update``: unscale, overflow
-check, skip or update) and :mod:`~.step.checkpoint` saves and loads. The scale the state machine
-returns is used by the very next ``scale_loss``. For clipping: ``allreduce_grads()``,
-``unscale()``, clip ``trainer.master_grads()``, ``update(batch_size)``.
+Construction walks the net once (:func:`~.blocks.walk`), refuses what it cannot train
+(:mod:`~.wrapping.checks`), converts the net (:mod:`~.wrapping.casting`) and makes the float32
+masters (:mod:`~.wrapping.masters`); mixprec's part of the trainer is one data-only
+:class:`~.step.trainer_state.TrainerState` (``trainer._mixprec``), which the step's functions
+(:mod:`~.step.protocol`: scale, reduce, unscale, check, update or skip) and the checkpoints
+(:mod:`~.step.checkpoint`, :mod:`~.step.states`) work on; the methods here call them in
+order. The scale the state machine returns is used by the very next ``scale_loss``. For
+clipping: ``allreduce_grads()``, ``unscale()``, clip ``trainer.master_grads()``,
+``update(batch_size)``.
 """
 
 from __future__ import annotations
@@ -37,15 +39,14 @@ from mixprec.kit import (
     Policy,
     ScalerCounters,
     StepGuard,
-    StepTracker,
     check_adam_eps,
     check_seed,
     is_low_precision,
 )
 
-from .blocks import BlockTree, walk
-from .compensated.compensation import Compensation
+from .blocks import walk
 from .devices import device_key, resolve_policy
+from .dtypes import dtype_name
 from .gluon_private import (
     clear_cached_graph,
     deferred_state,
@@ -53,10 +54,10 @@ from .gluon_private import (
     is_deferred,
     restore_deferred_state,
 )
-from .step import checkpoint, optimizers, states  # noqa: F401 - optimizers registers "adamw"
-from .step.accumulation import Accumulation, check_grad_req, install_zero_grad
+from .step import checkpoint, optimizers, protocol, states  # noqa: F401 - optimizers registers "adamw"
+from .step.accumulation import check_grad_req, install_zero_grad
 from .step.running_stats import RunningStats
-from .stepping import Stepping
+from .step.trainer_state import TrainerState
 from .wrapping.casting import convert_net, param_dtypes, param_dtypes_by_name
 from .wrapping.checks import (
     check_dense,
@@ -70,13 +71,14 @@ from .wrapping.checks import (
 )
 from .wrapping.export import patch_export
 from .wrapping.islands import unconverted
+from .wrapping.masters import ensure_prepared, init_params, prepare, sync_transient_masters
 from .wrapping.ownership import Snapshot, check_unclaimed, claim
 from .wrapping.symbol_blocks import check_not_amp_converted
 
 __all__ = ["Trainer"]
 
 
-class Trainer(ScalerCounters, Stepping, gluon.Trainer):
+class Trainer(ScalerCounters, gluon.Trainer):
     """A ``gluon.Trainer`` that trains under a mixprec policy.
 
     :param net_or_params: the net (a ``Block``, converted in place per the policy) or its
@@ -98,6 +100,8 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
     :param overrides: policy role overrides, e.g. ``loss_scale="dynamic"``.
     """
 
+    _mixprec: TrainerState
+
     def __init__(
         self,
         net_or_params: Any,
@@ -113,7 +117,7 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         **overrides: Any,
     ) -> None:
         step_guard = StepGuard.coerce(guard)
-        self._seed = check_seed(seed)
+        seed = check_seed(seed)
         if update_on_kvstore:
             raise WrapError(
                 "update_on_kvstore=True updates the weights inside the kvstore, where an "
@@ -129,28 +133,20 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         embeddings = sparse_embeddings(tree)
         check_dense([p for p in values if id(p) not in embeddings])
         contexts = values[0].list_ctx()
-        self.policy: Policy = resolve_policy(policy, contexts, **overrides)
-        """The resolved policy this trainer runs (saved with its states)."""
-        check_state(self.policy)
-        self.device = device_key(contexts[0])
+        resolved = resolve_policy(policy, contexts, **overrides)
+        check_state(resolved)
+        device = device_key(contexts[0])
         check_unclaimed(values)  # after the policy: a policy this device cannot run is named first
         for info in tree.blocks if tree is not None else ():
             check_not_amp_converted(info.block)
-        self._tree: BlockTree | None = tree
-        """The construction's one walk of the net (None without a net)."""
+        scaler = LossScaler(resolved.loss_scale, guard=step_guard)
+        st = TrainerState(resolved, device, scaler, seed, net, tree)
         snapshot = Snapshot(
             [info.block for info in tree.blocks] if tree is not None else [], values
         )
         try:
             self._build(
-                net,
-                params,
-                values,
-                optimizer,
-                optimizer_params,
-                kvstore,
-                compression_params,
-                step_guard,
+                st, params, values, optimizer, optimizer_params, kvstore, compression_params
             )
         except BaseException:
             snapshot.restore()  # a failed construction leaves the net as it was
@@ -160,66 +156,75 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
 
     def _build(
         self,
-        net: gluon.Block | None,
+        st: TrainerState,
         params: Any,
         values: list[gluon.Parameter],
         optimizer: Any,
         optimizer_params: dict[str, Any] | None,
         kvstore: Any,
         compression_params: dict[str, Any] | None,
-        step_guard: StepGuard,
     ) -> None:
-        tree = self._tree
+        net, tree, policy, device = st.net, st.tree, st.policy, st.device
         if tree is not None:
             densify_embeddings(tree)
         super().__init__(params, optimizer, optimizer_params, kvstore, compression_params, False)
-        self.scaler = LossScaler(self.policy.loss_scale, guard=step_guard)
-        """The loss-scale state and step/skip counters (shared state for one group)."""
-        self._tracker = StepTracker()
+        st.params = self._params  # gluon.Trainer's list, in its index order
+        self._mixprec = st
         if tree is not None:
-            self._plan = param_dtypes(tree, values, self.policy, self.device)
+            st.plan = param_dtypes(tree, values, policy, device)
         else:
-            self._plan = param_dtypes_by_name(params, self.policy)
-        check_grad_req(self._plan, self.policy.label)
-        if any(is_low_precision(dtype) for _, dtype in self._plan):
+            st.plan = param_dtypes_by_name(params, policy)
+        check_grad_req(st.plan, policy.label)
+        if any(is_low_precision(dtype) for _, dtype in st.plan):
             install_zero_grad()
-        self._accumulation = Accumulation()
-        """``grad_req='add'`` on low-precision parameters: the float32 sums in the masters."""
-        self.masters: MasterWeights[gluon.Parameter] | None = None
-        """(model parameter, master parameter) pairs, once the parameters are initialised."""
-        self._net = net
-        self._reduced = False
-        self._buffers: dict[int, list[nd.NDArray]] = {}
-        self._transient = False
-        self._compensation: Compensation | None = None
-        """Under ``master=kahan|stochastic``: the strategy's buffers and its step passes."""
-        self._running_stats: RunningStats | None = None
         if net is not None and tree is not None:
             # before convert_net: its input casts and deferred set-up then run first
             stats = RunningStats(net, tree.post_order)
-            self._running_stats = stats if stats.params else None
-            convert_net(
-                net, tree, values, self.policy, self.device, before_forward=self._before_forward
-            )
+            st.running_stats = stats if stats.params else None
+            convert_net(net, tree, values, policy, device, before_forward=self._before_forward)
             checkpoint.patch_net(net, self)
             patch_export(net, self)
         else:
-            check_shaped(self._plan)
-            warn_params_only(self.policy)
+            check_shaped(st.plan)
+            warn_params_only(policy)
         if not any(is_deferred(p) for p in self._params):
-            self._prepare()
+            prepare(st, self)
 
-    # ------------------------------------------------------------------ set-up
+    # ------------------------------------------------------------------ what it holds
+
+    @property
+    def policy(self) -> Policy:
+        """The resolved policy this trainer runs (saved with its states)."""
+        return self._mixprec.policy
+
+    @property
+    def device(self) -> str:
+        """The device key of the parameters' first context (``"cpu"``, ``"gpu"``)."""
+        return self._mixprec.device
+
+    @property  # ScalerCounters reads it; read-only here, the state holds the one scaler
+    def scaler(self) -> LossScaler:  # type: ignore[override]
+        """The loss-scale state and step/skip counters (shared state for one group)."""
+        return self._mixprec.scaler
+
+    @property
+    def masters(self) -> MasterWeights[gluon.Parameter] | None:
+        """(model parameter, master parameter) pairs, once the parameters are initialised."""
+        return self._mixprec.masters
+
+    # ------------------------------------------------------------------ deferred shapes
 
     def _before_forward(self, args: Sequence[Any]) -> None:
-        if self.masters is None:
+        st = self._mixprec
+        if st.masters is None:
             self._first_forward(args)
         if autograd.is_recording():
-            self._accumulation.before_forward()
+            st.accumulation.before_forward()
 
     def _first_forward(self, args: Sequence[Any]) -> None:
+        st = self._mixprec
         deferred = [p for p in self._params if is_deferred(p)]
-        net = self._net
+        net = st.net
         before = deferred_state(deferred)
         try:
             if deferred and isinstance(net, gluon.HybridBlock):
@@ -236,17 +241,17 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         except (mx.MXNetError, AssertionError, ValueError) as err:
             restore_deferred_state(before)  # the net waits for a first input that fits
             raise WrapError(shape_refusal(net, args, err)) from err
-        if deferred and self._tree is not None:
+        if deferred and st.tree is not None:
             # the shape inference traced the graphs before the weights had shapes: trace
             # again, so that the graph is the one a net with loaded shapes gets (the casts
             # around BatchNorm read the convolution's channels)
-            for info in self._tree.blocks:
+            for info in st.tree.blocks:
                 clear_cached_graph(info.block)
         # the first forward pass may run inside autograd.record(), which refuses the writes
         # that set up masters, casts and the kvstore broadcast (none of them is part of the
         # graph): O3-bf16's float32 update copies used to fail there
         with autograd.pause():
-            self._prepare()
+            prepare(st, self)
 
     def _lint(self) -> None:
         eps = getattr(self._optimizer, "epsilon", None)
@@ -263,7 +268,7 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
         if message:
             warnings.warn(message, MixprecWarning, stacklevel=3)
 
-    # ------------------------------------------------------------------ the loss scale
+    # ------------------------------------------------------------------ the step
 
     @contextlib.contextmanager
     def scale_loss(self, loss: Any) -> Iterator[Any]:
@@ -271,48 +276,81 @@ class Trainer(ScalerCounters, Stepping, gluon.Trainer):
 
         Works inside ``autograd.record()`` or right after it.
         """
-        self._tracker.on_backward()
-        if not self.scaler.enabled:
-            yield loss
-        else:
-            scale = self.scaler.scale
-            with contextlib.ExitStack() as stack:
-                if not autograd.is_recording():
-                    stack.enter_context(autograd.record())
-                if isinstance(loss, (list, tuple)):
-                    scaled = [part * scale for part in loss]
-                else:
-                    scaled = loss * scale
+        with protocol.scale_loss(self._mixprec, loss) as scaled:
             yield scaled
-        if self.masters is not None:  # the backward ran: grad_req='add' sums in float32
-            self._accumulation.after_backward()
+
+    def allreduce_grads(self) -> None:
+        """Cast the model gradients into the master gradients and sum them over contexts and
+        workers (once per iteration; ``update`` and ``step`` call it when you did not)."""
+        st = self._mixprec
+        ensure_prepared(st, self)
+        if not st.reduced:
+            st.accumulation.check(st.params, st.policy.label)
+            protocol.reduce_grads(st, self)
+
+    def unscale(self) -> None:
+        """Divide the master gradients by the loss scale now (before clipping them).
+
+        :raises StepOrderError: no scaled backward ran, or unscale was already called.
+        """
+        self._mixprec.tracker.on_unscale()
+        self.allreduce_grads()
+        protocol.unscale(self._mixprec)
+
+    def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
+        """Reduce, unscale, check, and update or skip; then update the loss scale."""
+        self.update(batch_size, ignore_stale_grad)
+
+    def update(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
+        """Check for overflow and update (or skip) after ``allreduce_grads`` (and ``unscale``)."""
+        protocol.check_batch_size(batch_size)
+        st = self._mixprec
+        ensure_prepared(st, self)
+        protocol.update(st, self, batch_size, ignore_stale_grad)
 
     # ------------------------------------------------------------------ masters
 
     def master_params(self) -> list[gluon.Parameter]:
         """What the optimizer updates, one per parameter: the float32 master where the
         model parameter is low precision, else the parameter itself."""
-        return self._ensure_prepared().masters()
+        return ensure_prepared(self._mixprec, self).masters()
 
     def master_grads(self, ctx: mx.Context | None = None) -> list[nd.NDArray]:
         """The gradients the update reads on ``ctx`` (default: the first context), after
         ``allreduce_grads()``: clip these."""
         ctx = ctx or self._contexts[0]
-        return [master.grad(ctx) for _, master in self._trainable_pairs()]
+        ensure_prepared(self._mixprec, self)
+        return [master.grad(ctx) for _, master in protocol.trainable_pairs(self._mixprec)]
+
+    def reduce_dtype(self, param: gluon.Parameter) -> str:
+        """The dtype ``param``'s gradient crosses the kvstore in."""
+        masters = ensure_prepared(self._mixprec, self)
+        return dtype_name(protocol.comm(self._mixprec, param, masters.master_for(param))[0].dtype)
+
+    def sync_transient_masters(self) -> None:
+        """Reset float32 update copies to the low-precision weights (policies without
+        masters: the weights keep only their own precision between steps; under kahan the
+        copies hold weight + compensation)."""
+        sync_transient_masters(self._mixprec)
+
+    def _init_params(self) -> None:
+        # gluon.Trainer's kvstore initialisation, for the masters (wrapping/masters.py)
+        init_params(self._mixprec, self)
 
     # ------------------------------------------------------------------ checkpoints
 
     def save_states(self, fname: str) -> None:
         """Save the optimizer state, the loss-scaler state and the policy."""
-        self._ensure_prepared()
+        ensure_prepared(self._mixprec, self)
         states.save_states(self, fname)
 
     def load_states(self, fname: str) -> None:
         """Load what :meth:`save_states` wrote (the policy must match this trainer's)."""
-        self._ensure_prepared()
+        st = self._mixprec
+        ensure_prepared(st, self)
         states.load_states(self, fname)
-        self._tracker.reset()
-        self._reduced = False
+        st.tracker.reset()
+        st.reduced = False
 
     def save_parameters(self, fname: str, deduplicate: bool = False) -> None:
         """Save the parameters as float32 master values (``net.save_parameters`` does this

@@ -108,7 +108,7 @@ def test_the_states_file_is_an_ndarray_file_with_a_json_header(tmp_path: Path) -
 def _legacy_v1(trainer: Trainer) -> bytes:
     """What save_states wrote before this format: a pickle with the updater's pickle inside."""
     names = ["0.weight", "0.bias", "1.weight", "1.bias"]
-    by_param = {id(p): n for n, p in trainer._net._collect_params_with_prefix().items()}
+    by_param = {id(p): n for n, p in trainer._mixprec.net._collect_params_with_prefix().items()}
     return pickle.dumps(
         {
             "format": "mixprec-mxnet-states/1",

@@ -1,16 +1,18 @@
 """The Gluon backend's shape, read from the source (no MXNet needed): within the package the
 imports are relative and at module level, the wings' ``__init__.py`` hold a docstring only,
-the trainer sits above what it assembles, and the module table in docs/architecture.md lists
+the Trainer is one class in one file and sits above what it assembles (the step, the
+masters' set-up, the checkpoints), and the module table in docs/architecture.md lists
 exactly the files there are, each on its floor (a circle among the imports fails there too:
 every import counts, module level, inside functions and under ``TYPE_CHECKING``).
 
 The order of the wings is not checked here: import-linter's contracts for ``mixprec_mxnet`` in
 pyproject.toml (``make lint``) keep it, so a new floor is a reviewed diff of the contract, not
 a raised number. Modules are named by their path in the package (``step/checkpoint``); the
-wings (``o1/``, ``step/``, ``wrapping/``...) are subpackages. The trainer once imported
-checkpoint, export and stepping, which imported it (or checkpoint) back under
-``TYPE_CHECKING``; they now read the Trainer through the data-only
-``step/trainer_state.py``, as the torch backend's ``step/optimizer_state.py``.
+wings (``o1/``, ``step/``, ``wrapping/``...) are subpackages. The Trainer was once spread
+over four files (``Trainer(ScalerCounters, Stepping, gluon.Trainer)``,
+``Stepping(MasterSetup)``), the step above the construction it inherited from; the step is
+now functions beneath it (``step/protocol.py``) over the data-only ``step/trainer_state.py``,
+as the torch backend's ``step/protocol.py`` over ``step/optimizer_state.py``.
 """
 
 from __future__ import annotations
@@ -87,13 +89,14 @@ def floors() -> dict[str, int]:
 
 
 def test_the_trainer_is_above_what_it_assembles() -> None:
-    """checkpoint, states, export and stepping read the Trainer through trainer_state."""
+    """The step, the masters' set-up, the checkpoints and export sit beneath the Trainer and
+    read it through the data-only trainer_state."""
     result, graph = floors(), _graph()
     for name in (
+        "step/protocol",
         "step/checkpoint",
         "step/states",
         "wrapping/export",
-        "stepping",
         "wrapping/masters",
         "step/trainer_state",
     ):
@@ -105,6 +108,24 @@ def test_the_trainer_is_above_what_it_assembles() -> None:
         if isinstance(n, ast.Call) and ast.unparse(n.func).startswith(("nd.", "mx.nd."))
     ]
     assert calls == [], "trainer_state.py holds data and names only"
+
+
+def test_the_trainer_is_one_class_whose_methods_are_in_its_file() -> None:
+    """``Trainer`` is ``gluon.Trainer`` plus the scaler's counters, with no mixin of the
+    backend's own, and every ``self.x(...)`` it makes calls a method defined in its class."""
+    tree = _modules()["trainer"]
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
+    assert [ast.unparse(b) for b in cls.bases] == ["ScalerCounters", "gluon.Trainer"]
+    own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    called = {
+        n.func.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "self"
+    }
+    assert called <= own, f"Trainer calls {sorted(called - own)} on self, defined elsewhere"
 
 
 def test_the_wings_init_files_hold_a_docstring_only() -> None:

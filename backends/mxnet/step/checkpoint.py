@@ -31,24 +31,26 @@ from mixprec.errors import CheckpointError
 from mixprec.kit import atomic_path
 
 from ..dtypes import cast_into
-from .trainer_state import TrainerState, float32_value, named_params
+from .protocol import write_model
+from .trainer_state import TrainerState, float32_value, named_params, trainer_state
 
 __all__ = ["check_written", "load_parameters", "patch_net", "save_arrays", "save_parameters"]
 
 
-def patch_net(net: gluon.Block, trainer: TrainerState) -> None:
+def patch_net(net: gluon.Block, trainer: gluon.Trainer) -> None:
     """Make ``net.save_parameters``/``load_parameters`` go through ``trainer`` (this net only)."""
     net.save_parameters = functools.partial(save_parameters, trainer)
     net.load_parameters = functools.partial(load_parameters, trainer)
 
 
-def save_parameters(trainer: TrainerState, filename: str, deduplicate: bool = False) -> None:
+def save_parameters(trainer: gluon.Trainer, filename: str, deduplicate: bool = False) -> None:
     """Write the parameters as float32 values, keyed like ``Block.save_parameters``."""
-    params = named_params(trainer)
+    st = trainer_state(trainer)
+    params = named_params(st)
     if deduplicate:
         first = {id(p): name for name, p in reversed(list(params.items()))}
         params = {name: p for name, p in params.items() if first[id(p)] == name}
-    values = {name: float32_value(trainer, p) for name, p in params.items()}
+    values = {name: float32_value(st, p) for name, p in params.items()}
     with atomic_path(filename) as tmp:
         save_arrays(tmp, values, filename)
 
@@ -94,19 +96,19 @@ def check_shape(param: gluon.Parameter, value: nd.NDArray, name: str | None = No
         )
 
 
-def set_value(trainer: TrainerState, param: gluon.Parameter, value: nd.NDArray) -> None:
+def set_value(st: TrainerState, param: gluon.Parameter, value: nd.NDArray) -> None:
     """Write ``value`` into ``param``'s master on every context, then cast it into ``param``."""
     check_shape(param, value)
-    master = param if trainer.masters is None else trainer.masters.master_for(param)
+    master = param if st.masters is None else st.masters.master_for(param)
     for target in master.list_data():
         cast_into(value.as_in_context(target.context), target)
     if master is not param:
         for data, source in zip(param.list_data(), master.list_data(), strict=True):
-            trainer._write_model(source, data)
+            write_model(st, source, data)
 
 
 def load_parameters(
-    trainer: TrainerState,
+    trainer: gluon.Trainer,
     filename: str,
     ctx: Any = None,
     allow_missing: bool = False,
@@ -121,10 +123,11 @@ def load_parameters(
     Every name and shape is checked before the first parameter is written: a file refused
     with :class:`CheckpointError` leaves the model and the masters as they were.
     """
+    st = trainer_state(trainer)
     loaded = _read_parameters(filename)
-    params = named_params(trainer)
-    net = trainer._net
-    if trainer.masters is None:
+    params = named_params(st)
+    net = st.net
+    if st.masters is None:
         # before the masters exist Gluon's own loader runs; it reads a file without dotted
         # names as a legacy one, under other names: check only what it checks by our names
         if net is None or any("." in name for name in loaded):
@@ -136,7 +139,7 @@ def load_parameters(
             )
         else:
             gluon.ParameterDict.load(
-                _as_dict(trainer),
+                _as_dict(st),
                 filename,
                 ctx,
                 allow_missing,
@@ -150,7 +153,7 @@ def load_parameters(
     for name, param, value in found:
         check_shape(param, value, name)
     for _, param, value in found:
-        set_value(trainer, param, value)
+        set_value(st, param, value)
 
 
 def _read_parameters(filename: str) -> dict[str, nd.NDArray]:
@@ -193,7 +196,7 @@ def _match(
     return [(name, params[name], value) for name, value in loaded.items() if name in params]
 
 
-def _as_dict(trainer: TrainerState) -> gluon.ParameterDict:
+def _as_dict(st: TrainerState) -> gluon.ParameterDict:
     params = gluon.ParameterDict()
-    params.update({p.name: p for p in trainer._params})
+    params.update({p.name: p for p in st.params})
     return params

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy.typing as npt
-from mxnet import nd
+from mxnet import gluon, nd
 
 from mixprec.errors import CheckpointError, MixprecError, MixprecWarning
 from mixprec.kit import LossScaler, Policy, atomic_path
@@ -30,25 +30,26 @@ from mixprec.kit import LossScaler, Policy, atomic_path
 from ..gluon_private import set_update_counts
 from .checkpoint import save_arrays
 from .state_files import SavedStates, optimizer_record, read_states, states_arrays
-from .trainer_state import TrainerState, names_by_id, param_names
+from .trainer_state import TrainerState, names_by_id, param_names, trainer_state
 
 __all__ = ["load_states", "save_states"]
 
 _PRIMITIVES = (bool, int, float, str, type(None))
 
 
-def save_states(trainer: TrainerState, filename: str) -> None:
+def save_states(trainer: gluon.Trainer, filename: str) -> None:
     """Write the optimizer state, the loss-scaler state and the policy to ``filename``
     (atomically: a failed save leaves the previous file whole)."""
+    st = trainer_state(trainer)
     meta: dict[str, Any] = {
-        "policy": trainer.policy.to_dict(),
-        "scaler": trainer.scaler.state_dict(),
-        "names": param_names(trainer),
+        "policy": st.policy.to_dict(),
+        "scaler": st.scaler.state_dict(),
+        "names": param_names(st),
         "optimizer": optimizer_record(trainer._optimizer),
     }
     compensation: dict[str, nd.NDArray] = {}
-    if trainer._compensation is not None:  # the exact compensation and the random stream
-        state = trainer._compensation.state_dict(names_by_id(trainer))
+    if st.compensation is not None:  # the exact compensation and the random stream
+        state = st.compensation.state_dict(names_by_id(st))
         meta["compensation"] = {k: v for k, v in state.items() if k != "compensation"}
         compensation = {name: _ndarray(v) for name, v in state["compensation"].items()}
     arrays = states_arrays(meta, trainer._updaters[0].states, compensation)
@@ -62,23 +63,24 @@ def _ndarray(values: npt.NDArray[Any]) -> nd.NDArray:
     return out
 
 
-def load_states(trainer: TrainerState, filename: str) -> None:
+def load_states(trainer: gluon.Trainer, filename: str) -> None:
     """Restore what :func:`save_states` wrote into ``trainer`` (whose policy must match).
 
     :raises CheckpointError: the file is damaged, or was saved under another policy,
         optimizer or net; nothing has changed then.
     """
+    st = trainer_state(trainer)
     with open(filename, "rb") as f:
         raw = f.read()
     saved = read_states(raw, filename)
-    scaler_state = _check_policy_and_scaler(trainer, saved, filename)
-    per_param, counts = _renumbered(trainer, saved)
-    _check_per_param(trainer, per_param, filename)
+    scaler_state = _check_policy_and_scaler(st, saved, filename)
+    per_param, counts = _renumbered(st, saved)
+    _check_per_param(st, per_param, filename)
     record = saved.meta.get("optimizer")
     if record is not None:
         _check_optimizer(trainer._optimizer, record, counts, filename)
-    compensation = trainer._compensation
-    names = names_by_id(trainer)
+    compensation = st.compensation
+    names = names_by_id(st)
     comp_state: Any = None
     if compensation is not None:
         comp_state = saved.meta.get("compensation")
@@ -94,7 +96,7 @@ def load_states(trainer: TrainerState, filename: str) -> None:
             stacklevel=3,
         )
     if scaler_state is not None:
-        trainer.scaler.load_state_dict(scaler_state)
+        st.scaler.load_state_dict(scaler_state)
     if compensation is not None:
         compensation.load_state_dict(comp_state, names)
     if record is not None:
@@ -105,7 +107,7 @@ def load_states(trainer: TrainerState, filename: str) -> None:
 
 
 def _check_policy_and_scaler(
-    trainer: TrainerState, saved: SavedStates, filename: str
+    st: TrainerState, saved: SavedStates, filename: str
 ) -> dict[str, Any] | None:
     if saved.kind == "gluon":
         return None
@@ -113,27 +115,27 @@ def _check_policy_and_scaler(
         policy = Policy.from_dict(saved.meta["policy"])
     except (MixprecError, TypeError, ValueError, AttributeError, KeyError) as err:
         raise CheckpointError(f"{filename!r} holds a malformed policy: {err}") from err
-    if policy != trainer.policy:
+    if policy != st.policy:
         raise CheckpointError(
             f"{filename!r} was saved under policy {policy} but this Trainer runs "
-            f"{trainer.policy}; build the Trainer with policy={str(policy)!r} to resume"
+            f"{st.policy}; build the Trainer with policy={str(policy)!r} to resume"
         )
     state = saved.meta.get("scaler")
     # a probe takes the state first: a malformed one raises before the scaler changes
     try:
-        LossScaler(trainer.scaler.state.fresh()).load_state_dict(state)  # type: ignore[arg-type]
+        LossScaler(st.scaler.state.fresh()).load_state_dict(state)  # type: ignore[arg-type]
     except (MixprecError, TypeError, ValueError, KeyError, OverflowError) as err:
         raise CheckpointError(f"{filename!r} holds a malformed loss-scaler state: {err}") from err
     return state  # type: ignore[no-any-return]
 
 
-def _renumbered(trainer: TrainerState, saved: SavedStates) -> tuple[dict[Any, Any], dict[Any, Any]]:
+def _renumbered(st: TrainerState, saved: SavedStates) -> tuple[dict[Any, Any], dict[Any, Any]]:
     """The per-parameter states and update counts at the indices this trainer gives the same
     parameters (``gluon.Trainer`` numbers them by global names, which differ between two nets
     of one architecture built in one process)."""
     record = saved.meta.get("optimizer")
     counts = record.get("counts", {}) if isinstance(record, Mapping) else {}
-    names, here = saved.meta.get("names"), param_names(trainer)
+    names, here = saved.meta.get("names"), param_names(st)
     if not isinstance(names, list) or sorted(names) != sorted(here) or names == here:
         return dict(saved.per_param), dict(counts) if isinstance(counts, Mapping) else {}
     new = {name: i for i, name in enumerate(here)}
@@ -161,9 +163,9 @@ def _arrays(state: Any) -> list[Any]:
     return [] if state is None else [state]
 
 
-def _check_per_param(trainer: TrainerState, per_param: Mapping[Any, Any], filename: str) -> None:
+def _check_per_param(st: TrainerState, per_param: Mapping[Any, Any], filename: str) -> None:
     """Refuse optimizer state the updater would choke on: unknown indices, wrong shapes."""
-    count = len(trainer._params)
+    count = len(st.params)
     unknown = sorted(
         (k for k in per_param if not isinstance(k, int) or not 0 <= k < count), key=str
     )
@@ -173,7 +175,7 @@ def _check_per_param(trainer: TrainerState, per_param: Mapping[Any, Any], filena
             f"Trainer has {count} parameters; load states saved by a Trainer over the same net"
         )
     for index, state in per_param.items():
-        param = trainer._params[index]
+        param = st.params[index]
         for array in _arrays(state):
             if not isinstance(array, nd.NDArray) or tuple(array.shape) != tuple(param.shape):
                 shape = getattr(array, "shape", type(array).__name__)

@@ -32,19 +32,19 @@ from mixprec.kit import FLOAT32, atomic_path, atomic_write_text, is_low_precisio
 from ..dtypes import mx_dtype
 from ..gluon_private import cached_graph, compose
 from ..step.checkpoint import save_arrays
-from ..step.trainer_state import TrainerState, float32_value
+from ..step.trainer_state import float32_value, trainer_state
 
 __all__ = ["export", "patch_export"]
 
 
-def patch_export(net: gluon.Block, trainer: TrainerState) -> None:
+def patch_export(net: gluon.Block, trainer: gluon.Trainer) -> None:
     """Make ``net.export`` go through :func:`export` (this net only; HybridBlocks only)."""
     if isinstance(net, gluon.HybridBlock):
         net.export = functools.partial(export, trainer)
 
 
 def export(
-    trainer: TrainerState,
+    trainer: gluon.Trainer,
     path: str,
     epoch: int = 0,
     remove_amp_cast: bool = True,
@@ -53,17 +53,18 @@ def export(
     """Write ``path-symbol.json`` and ``path-%04d.params`` (``HybridBlock.export``'s files)
     for float32 input; ``dtype="bfloat16"`` keeps the low-precision compute inside the graph
     (``remove_amp_cast`` is then ignored: the casts are the point)."""
-    net = trainer._net
+    st = trainer_state(trainer)
+    net = st.net
     graph = cached_graph(net) if net is not None else ()
     if not graph:
         raise CheckpointError(
             "export needs the traced graph: call net.hybridize() and run one forward pass "
             "before net.export(...)"
         )
-    if dtype not in (FLOAT32, trainer.policy.param):
+    if dtype not in (FLOAT32, st.policy.param):
         raise CheckpointError(
             f"export(dtype={dtype!r}): this net can be exported in float32 or in its policy's "
-            f"parameter dtype {trainer.policy.param!r}"
+            f"parameter dtype {st.policy.param!r}"
         )
     inputs, sym = graph
     lowp = dtype != FLOAT32 and is_low_precision(dtype)
@@ -79,7 +80,7 @@ def export(
     args, aux = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arrays: dict[str, nd.NDArray] = {}
     for param in net.collect_params().values():  # type: ignore[union-attr]
-        value = param.list_data()[0].copyto(mx.cpu()) if lowp else float32_value(trainer, param)
+        value = param.list_data()[0].copyto(mx.cpu()) if lowp else float32_value(st, param)
         if param.name in args:
             arrays[f"arg:{param.name}"] = value
         elif param.name in aux:
