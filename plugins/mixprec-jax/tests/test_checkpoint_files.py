@@ -111,7 +111,7 @@ def test_files_that_are_not_files(tmp_path: Path, saved: Any) -> None:
 
 
 class _Stream(io.RawIOBase):
-    """A pipe-like reader: not seekable."""
+    """A pipe-like reader: not seekable, and at most 1000 bytes a read."""
 
     def __init__(self, data: bytes) -> None:
         self._data = io.BytesIO(data)
@@ -120,7 +120,7 @@ class _Stream(io.RawIOBase):
         return True
 
     def read(self, n: int = -1) -> bytes:
-        return self._data.read(n)
+        return self._data.read(1000 if n < 0 else min(n, 1000))
 
 
 def test_a_stream_is_read_up_to_the_cap(saved: tuple[mpj.Optimizer, mpj.State, bytes]) -> None:

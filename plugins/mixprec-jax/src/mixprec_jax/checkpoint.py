@@ -222,8 +222,14 @@ def _opened(file: str | IO[bytes], label: str, limit: int) -> Iterator[tuple[IO[
     if seekable:
         yield file, _size_of(file)
         return
-    data = file.read(limit + 1)
-    yield io.BytesIO(data), len(data)
+    parts, size = [], 0
+    while size <= limit:  # a pipe may return less than asked: read to its end or the cap
+        part = file.read(min(limit + 1 - size, _CHUNK))
+        if not part:
+            break
+        parts.append(part)
+        size += len(part)
+    yield io.BytesIO(b"".join(parts)), size
 
 
 def _not_a_checkpoint(label: str, what: str, fix: str) -> CheckpointError:
