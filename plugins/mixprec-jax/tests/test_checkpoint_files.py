@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mixprec.jax as mpj
 from mixprec.errors import CheckpointError
@@ -466,3 +468,39 @@ def test_files_of_the_first_format_still_load(saved: Any) -> None:
     )
     with pytest.raises(CheckpointError, match="inf/NaN"):
         _load(opt, state, _legacy(opt, poisoned))
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    edits=st.lists(
+        st.tuples(
+            st.sampled_from(["set", "insert", "delete"]),
+            st.floats(0, 1),
+            st.binary(min_size=1, max_size=40),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_edit_is_refused_or_changes_nothing(
+    edits: list[tuple[str, float, bytes]], saved: Any
+) -> None:
+    """Bytes overwritten, inserted or deleted anywhere: a CheckpointError (never another
+    exception), or a file that loads the very same state."""
+    opt, state, blob = saved
+    data = bytearray(blob)
+    for kind, where, payload in edits:
+        at = int(where * (len(data) - 1))
+        if kind == "set":
+            data[at : at + len(payload)] = payload[: len(data) - at]
+        elif kind == "insert":
+            data[at:at] = payload
+        else:
+            del data[at : at + len(payload)]
+    try:
+        loaded = _load(opt, state, bytes(data))
+    except CheckpointError:
+        return
+    assert _bits(loaded) == _bits(state)
