@@ -42,5 +42,5 @@ def test_the_install_page_lists_the_jax_extra() -> None:
     assert "pip install 'mixprec[jax]' flax" in text
     row = next(line for line in text.splitlines() if line.startswith("| `jax` |"))
     assert "mixprec-jax" in row and "mixprec.jax" in row
-    extras = (ROOT / "pyproject.toml").read_text()
-    assert 'jax = ["mixprec-jax>=0.1"]' in extras
+    extra = re.search(r"^jax = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert extra is not None and re.fullmatch(r'"mixprec-jax[<>=!~][^"]*"', extra[1]), extra
