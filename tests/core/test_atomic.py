@@ -179,8 +179,11 @@ def test_the_temporary_name_keeps_at_most_200_bytes_of_the_target_name(tmp_path:
     with atomic_path(tmp_path / ("é" * 127)) as tmp:
         name = Path(tmp).name.encode()
         Path(tmp).write_bytes(b"x")
-    # the dot, 200 bytes (100 whole characters), the dash, 8 random characters, ".tmp"
-    assert len(name) == 1 + 200 + 1 + 8 + 4 and name.startswith(b"." + "é".encode() * 100 + b"-")
+    # the dot, 200 bytes (100 whole characters), the dash, the pid, the dot, the host tag,
+    # the dash, 8 random characters, ".tmp"
+    pid = len(str(os.getpid()))
+    assert len(name) == 1 + 200 + 1 + pid + 1 + 8 + 1 + 8 + 4
+    assert name.startswith(b"." + "é".encode() * 100 + b"-")
     with atomic_path(tmp_path / ("a" * 199 + "é")) as tmp:  # a character cut in half is dropped
         assert Path(tmp).name.startswith("." + "a" * 199 + "-")
         Path(tmp).write_bytes(b"x")
@@ -211,3 +214,112 @@ def test_a_name_with_bytes_that_are_no_utf8_is_written(tmp_path: Path) -> None:
     atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"new"
     assert os.listdir(os.fsencode(tmp_path)) == [b"ckpt-\xff.pt"]
+
+
+# ---------------------------------------------------------------------- issue 37
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_killed_save_leaves_a_temporary_that_the_next_save_removes(tmp_path: Path) -> None:
+    """A SIGKILLed save left its 33 MB temporary file behind for ever (issue 37)."""
+    target = tmp_path / "ckpt.pt"
+    target.write_bytes(OLD)
+    script = textwrap.dedent(f"""
+        import time
+        from mixprec.atomic import atomic_path
+        with atomic_path({str(target)!r}) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(b"n" * 4_000_000)
+            print("ready", flush=True)  # killed now, mid-save
+            time.sleep(120)
+    """)
+    kill_while_saving(script, 0.0)
+    left = leftovers(tmp_path, "ckpt.pt")
+    assert len(left) == 1 and (tmp_path / left[0]).stat().st_size == 4_000_000
+    assert target.read_bytes() == OLD
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert leftovers(tmp_path, "ckpt.pt") == []
+
+
+def test_the_next_save_removes_only_the_temporaries_of_gone_writers(tmp_path: Path) -> None:
+    from mixprec.atomic import _host_tag
+
+    tag, dead = _host_tag(), _dead_pid()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time_now = os.path.getmtime(tmp_path)
+        kept = {
+            f".f.bin-{live.pid}.{tag}-abcd1234.tmp": None,  # a live writer's
+            f".f.bin-{dead}.{'0' * 8 if tag != '0' * 8 else '1' * 8}-abcd1234.tmp": None,  # host
+            f".g.bin-{dead}.{tag}-abcd1234.tmp": None,  # another target's
+            f".f.bin-{dead}.{tag}-ABCD1234.tmp": None,  # not a name mkstemp makes
+            f".f.bin-{dead}.{tag}-abcd1234.png": None,  # another suffix
+            f".f.bin-{dead}.{tag}-abcd1234": None,  # no suffix
+            f"f.bin-{dead}.{tag}-abcd1234.tmp": None,  # not hidden
+            f".f.bin-{dead}.{tag}-abcd12345.tmp": None,  # 9 random characters
+            "notes.txt": None,
+        }
+        removed = {
+            f".f.bin-{dead}.{tag}-abcd1234.tmp": None,  # a killed writer's
+            f".f.bin-{live.pid}.{tag}-zz__9876.tmp": time_now - 3600,  # the pid was reused
+        }
+        for name, mtime in {**kept, **removed}.items():
+            (tmp_path / name).write_bytes(b"partial")
+            if mtime is not None:
+                os.utime(tmp_path / name, (mtime, mtime))
+        folder = tmp_path / f".f.bin-{dead}.{tag}-dir00000.tmp"
+        folder.mkdir()  # a folder is never removed, whatever its name
+        atomic_write_bytes(tmp_path / "f.bin", b"new")
+        left = {p.name for p in tmp_path.iterdir()}
+        assert left == {*kept, folder.name, "f.bin"}
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_temporary_being_written_by_another_thread_is_kept(tmp_path: Path) -> None:
+    target = tmp_path / "f.bin"
+    with atomic_path(target) as tmp:
+        Path(tmp).write_bytes(b"half")
+        atomic_write_bytes(target, b"other save")  # the same process, the same target
+        assert Path(tmp).read_bytes() == b"half"
+    assert target.read_bytes() == b"half" and leftovers(tmp_path, "f.bin") == []
+
+
+@pytest.mark.parametrize("kind", ["empty", "folder", "fifo"])
+def test_a_target_that_is_no_file_is_refused_before_anything_is_written(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lock -o`` a folder or ``''`` was a traceback after a temporary file was made (in the
+    folder's parent: for ``-o /tmp``, in ``/``); a device or a pipe would be replaced by a
+    plain file."""
+    monkeypatch.chdir(tmp_path)
+    target = {"empty": "", "folder": str(tmp_path / "out"), "fifo": str(tmp_path / "pipe")}[kind]
+    if kind == "folder":
+        (tmp_path / "out").mkdir()
+    if kind == "fifo":
+        os.mkfifo(target)
+    before = sorted(p.name for p in tmp_path.parent.iterdir())
+    inside = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(OSError) as caught:
+        atomic_write_bytes(target, b"new")
+    assert caught.value.filename == target
+    expected = {"empty": FileNotFoundError, "folder": IsADirectoryError, "fifo": OSError}[kind]
+    assert type(caught.value) is expected
+    assert sorted(p.name for p in tmp_path.parent.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == inside
+    if kind == "fifo":
+        assert stat.S_ISFIFO(os.stat(target).st_mode)
+
+
+def test_a_folder_that_cannot_hold_a_file_names_the_target(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as caught:
+        atomic_write_bytes(tmp_path / "missing" / "f.bin", b"new")
+    assert caught.value.filename == str(tmp_path / "missing" / "f.bin")
+    assert "cannot create a file in" in str(caught.value)
