@@ -17,6 +17,7 @@ import mixprec  # noqa: E402
 from mixprec.errors import StepOrderError, WrapError  # noqa: E402
 from mixprec_mxnet import Trainer  # noqa: E402
 from mixprec_mxnet.dtypes import cast  # noqa: E402
+from mixprec_mxnet.step.accumulation import Accumulation  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 
@@ -236,6 +237,38 @@ def test_accumulating_without_scale_loss_is_refused_naming_it() -> None:
         trainer.step(4)
     assert trainer.scaler.steps == steps
     assert all(np.array_equal(v, values(net)[k]) for k, v in before.items())
+
+
+def test_the_accumulation_check_runs_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step`` checks ``grad_req`` and the micro-batches once, before anything moves (its
+    reduce used to check again); each of ``allreduce_grads`` and ``update`` called by the
+    user checks once, as before."""
+    net = _scaled()
+    net.collect_params().setattr("grad_req", "add")
+    trainer = Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    checks: list[str] = []
+    check = Accumulation.check
+
+    def counted(self: Accumulation, params: Any, label: str) -> None:
+        checks.append(label)
+        check(self, params, label)
+
+    monkeypatch.setattr(Accumulation, "check", counted)
+
+    def backward() -> None:
+        with autograd.record():
+            loss = (cast(net(_micro_batches(1)[0]), "float32") ** 2).sum()
+            with trainer.scale_loss(loss) as scaled:
+                autograd.backward(scaled)
+
+    backward()
+    trainer.step(4)
+    assert len(checks) == 1
+    net.collect_params().zero_grad()
+    backward()
+    trainer.allreduce_grads()
+    trainer.update(4)
+    assert len(checks) == 3
 
 
 def test_add_mixed_with_write_is_refused_before_any_change() -> None:

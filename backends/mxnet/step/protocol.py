@@ -171,8 +171,7 @@ def update(
     unscaled = tracker.stage is Stage.UNSCALED
     tracker.on_step()
     try:
-        if not st.reduced:
-            st.accumulation.check(st.params, st.policy.label)
+        if not st.reduced:  # checked above: the reduce itself need not check again
             reduce_grads(st, trainer)
         scale = st.scaler.scale
         found_inf = _found_inf(st, trainer)
