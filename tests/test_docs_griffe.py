@@ -59,7 +59,8 @@ def test_relative_module_roles_resolve_against_their_package(
     loaded: griffe.ModulesCollection,
 ) -> None:
     text = loaded["mixprec_mxnet.trainer"].docstring.value
-    assert '<autoref identifier="mixprec_mxnet.wrapping.masters" optional><code>masters</code>' in text
+    masters = "mixprec_mxnet.wrapping.masters"
+    assert f'<autoref identifier="{masters}" optional><code>masters</code>' in text
 
 
 def test_literal_blocks_become_fenced_code(loaded: griffe.ModulesCollection) -> None:
