@@ -14,8 +14,10 @@ when every op resolves as locked, else exit 1 and one line per changed op::
 
     layer_norm: float32 -> bfloat16 (torch 2.13.0 -> 2.14.0)
 
-A damaged, truncated or hand-mangled file, a lock checked against another backend, or an
-unknown policy exits 2 with the reason (:class:`~mixprec.errors.LockError`,
+A damaged, truncated or hand-mangled file (or one larger than a policy file may be,
+:data:`~mixprec.engine.spec.MAX_POLICY_BYTES`), a lock checked against another backend or
+device, an output path no lock can be written to, or an unknown policy exits 2 with the
+reason (:class:`~mixprec.errors.LockError`,
 :class:`~mixprec.errors.PolicyError`, :class:`~mixprec.errors.BackendNotAvailable`).
 The Python API is :func:`write_lock`, :func:`make_lock`, :func:`read_lock` and
 :func:`check_lock`.
@@ -34,7 +36,7 @@ from typing import Any
 from mixprec.atomic import atomic_write_text
 from mixprec.dtypes import BFLOAT16, is_low_precision
 from mixprec.engine.plugins import backend_info, load_backend, native_dtypes
-from mixprec.engine.spec import PolicySpec, get_policy
+from mixprec.engine.spec import MAX_POLICY_BYTES, PolicySpec, get_policy
 from mixprec.errors import BackendNotAvailable, LockError, PolicyError
 from mixprec.policy.lockfile import BANNED, REFUSED, OpLock, PrecisionLock, changes, read_lock_file
 from mixprec.policy.ops import OP_FAMILIES, ban_advice
@@ -158,21 +160,38 @@ def make_lock(
     return _locked(_resolve(policy, backend, device, None), text, backend, device)
 
 
+def _unwritable(path: str | os.PathLike[str], why: object) -> LockError:
+    return LockError(
+        f"cannot write the lock file {os.fspath(path)!r}: {why}; give -o the path of a file "
+        "in a folder you can write (such as precision.lock)"
+    )
+
+
 def write_lock(
     policy: PolicySpec, backend: str, path: str | os.PathLike[str], device: str = "cpu"
 ) -> PrecisionLock:
     """Write the lock of ``policy`` on ``backend`` and ``device`` to ``path`` (atomically);
-    return it. Errors as :func:`make_lock`."""
+    return it. Errors as :func:`make_lock`, and :class:`~mixprec.errors.LockError` for a
+    ``path`` no file can be written to (empty, a folder, a device, a folder that cannot
+    hold it), nothing written."""
+    if not os.fspath(path):
+        raise _unwritable(path, "the path is empty")
     out = Path(path)
+    if out.is_dir():
+        raise _unwritable(path, "it is a folder")
     lock = make_lock(policy, backend, device, folder=out.resolve().parent)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, lock.to_toml())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, lock.to_toml())
+    except OSError as err:
+        raise _unwritable(path, err.strerror or err) from None
     return lock
 
 
 def read_lock(path: str | os.PathLike[str]) -> PrecisionLock:
-    """The lock in file ``path``. :raises LockError: not a readable lock."""
-    return read_lock_file(path)
+    """The lock in file ``path`` (at most :data:`~mixprec.engine.spec.MAX_POLICY_BYTES`, the
+    policy files' cap). :raises LockError: not a readable lock."""
+    return read_lock_file(path, max_bytes=MAX_POLICY_BYTES)
 
 
 @dataclass(frozen=True)
@@ -190,11 +209,14 @@ class LockCheck:
         return not self.changes
 
 
-def check_lock(path: str | os.PathLike[str], backend: str | None = None) -> LockCheck:
+def check_lock(
+    path: str | os.PathLike[str], backend: str | None = None, device: str | None = None
+) -> LockCheck:
     """Resolve the policy locked in ``path`` with what is installed now and compare.
 
     :param backend: when given, the backend the lock must be for.
-    :raises LockError: the file is not a readable lock, or is for another backend.
+    :param device: when given, the device the lock must be for.
+    :raises LockError: the file is not a readable lock, or is for another backend or device.
     :raises PolicyError: the locked policy does not resolve any more (a policy file gone).
     :raises BackendNotAvailable: the lock's backend is not installed.
     """
@@ -207,6 +229,12 @@ def check_lock(path: str | os.PathLike[str], backend: str | None = None) -> Lock
     folder = Path(path).resolve().parent
     if locked.device not in DEVICES:
         raise LockError(f"lock file {os.fspath(path)!r} names device {locked.device!r}")
+    if device is not None and device != locked.device:
+        raise LockError(
+            f"lock file {os.fspath(path)!r} is for device {locked.device}, not {device}; check "
+            f"it with --device {locked.device} (or none), or write a {device} lock with "
+            f"--device {device}"
+        )
     policy = _resolve(locked.policy, locked.backend, locked.device, folder)
     now = _locked(policy, locked.policy, locked.backend, locked.device)
     return LockCheck(locked, now, changes(locked, now))
@@ -219,7 +247,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.check is not None:
         if args.policy is not None:
             raise LockError("give a POLICY to lock or --check FILE, not both")
-        result = check_lock(args.check, args.backend)
+        result = check_lock(args.check, args.backend, args.device)
         for line in result.changes:
             print(line)
         if result.ok:
@@ -238,10 +266,11 @@ def _run(args: argparse.Namespace) -> int:
             "mixprec lock needs POLICY and --backend NAME to write a lock "
             "(mixprec lock O1-bf16 --backend torch -o precision.lock), or --check FILE"
         )
+    device = args.device or "cpu"
     if args.output is None:
-        print(make_lock(args.policy, args.backend, args.device, folder=Path.cwd()).to_toml())
+        print(make_lock(args.policy, args.backend, device, folder=Path.cwd()).to_toml())
     else:
-        lock = write_lock(args.policy, args.backend, args.output, args.device)
+        lock = write_lock(args.policy, args.backend, args.output, device)
         print(f"{args.output}: {len(lock.ops)} ops of {lock.resolved!r} locked")
     return 0
 
@@ -254,7 +283,8 @@ EPILOG = """examples:
 
 --check exits 0 when every op resolves as locked, 1 with one line per changed op
 (layer_norm: float32 -> bfloat16 (torch 2.13.0 -> 2.14.0)), 2 for a file it cannot read
-as a lock (damaged, cut short, edited by hand, or for another --backend).
+as a lock (damaged, cut short, edited by hand, larger than 1 MiB, or for another
+--backend or --device).
 """
 
 
@@ -273,7 +303,11 @@ def add_parser(sub: Any) -> None:
     )
     lock.add_argument("policy", nargs="?", help="a preset, key-grammar spec or policy .toml")
     lock.add_argument("--backend", help="the backend to lock for (torch, mxnet, numpy...)")
-    lock.add_argument("--device", choices=DEVICES, default="cpu", help="default: cpu")
+    lock.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="the device to lock for (default: cpu); with --check, the device the lock must be for",
+    )
     lock.add_argument("-o", "--output", help="the lock file to write (default: print it)")
     lock.add_argument("--check", metavar="FILE", help="compare FILE with what resolves now")
     lock.set_defaults(run=_run)

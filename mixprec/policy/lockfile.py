@@ -23,7 +23,6 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from mixprec.dtypes import POLICY_DTYPES
@@ -40,6 +39,11 @@ BANNED = "banned"
 REFUSED = "refused"
 
 _HEADER_KEYS = ("format", "policy", "resolved", "backend", "device", "lowp", "native")
+#: The tables a lock file holds, and the keys of its ``[lock]`` table: anything else is
+#: outside the checksum, so it is refused rather than ignored.
+_TABLES = ("lock", "versions", "ops")
+_LOCK_KEYS = (*_HEADER_KEYS, "checksum")
+_WRITE_AGAIN = "Write it again with `mixprec lock POLICY --backend NAME -o FILE`"
 
 
 @dataclass(frozen=True)
@@ -188,25 +192,43 @@ def _op(name: str, entry: Any, source: str) -> OpLock:
     return OpLock(**values, **native)
 
 
+def _unknown(found: Mapping[str, Any], known: tuple[str, ...], where: str, source: str) -> None:
+    extra = sorted(set(found) - set(known))
+    if extra:
+        raise LockError(
+            f"{source}: {where} has {', '.join(map(repr, extra))}, which a lock does not hold "
+            f"(it holds {', '.join(known)}), so the file was edited by hand or is not a "
+            f"mixprec precision lock. {_WRITE_AGAIN}"
+        )
+
+
 def parse_lock(text: str, source: str = "the lock file") -> PrecisionLock:
     """The lock written as ``text`` (from :meth:`PrecisionLock.to_toml`).
 
     :param source: how to name the file in messages.
-    :raises LockError: not TOML, a table or key missing (a truncated file), a value that is
-        not what the lock writes (a hand edit), or a newer format.
+    :raises LockError: not TOML (or nested too deeply to read), a table or key missing (a
+        truncated file), a table or key a lock does not hold or a value that is not what
+        the lock writes (a hand edit), or another format.
     """
     tomllib = _toml()
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise LockError(
-            f"{source} is not valid TOML ({err}): the file is damaged or truncated. Write it "
-            "again with `mixprec lock POLICY --backend NAME -o FILE`"
+            f"{source} is not valid TOML ({err}): the file is damaged or truncated. " + _WRITE_AGAIN
+        ) from None
+    except RecursionError:
+        raise LockError(
+            f"{source} nests arrays or tables too deeply to read: it is not a mixprec precision "
+            f"lock, which has two levels. {_WRITE_AGAIN}"
         ) from None
     head = _table(data, "lock", source)
-    if head.get("format") != FORMAT:
+    _unknown(data, _TABLES, "the file", source)
+    _unknown(head, _LOCK_KEYS, "[lock]", source)
+    found = head.get("format")
+    if type(found) is not int or found != FORMAT:  # `format = true` equals 1 in Python
         raise LockError(
-            f"{source} is lock format {head.get('format')!r}; this mixprec reads format {FORMAT}. "
+            f"{source} is lock format {found!r}; this mixprec reads format {FORMAT}. "
             "Write the lock again with this mixprec (`mixprec lock ... -o FILE`)"
         )
     versions = _table(data, "versions", source)
@@ -229,16 +251,32 @@ def parse_lock(text: str, source: str = "the lock file") -> PrecisionLock:
     return lock
 
 
-def read_lock_file(path: str | os.PathLike[str]) -> PrecisionLock:
-    """The lock in file ``path``.
+def read_lock_file(path: str | os.PathLike[str], *, max_bytes: int) -> PrecisionLock:
+    """The lock in file ``path``, read only when it holds at most ``max_bytes`` (a path to
+    ``/dev/zero`` or a huge file is refused after ``max_bytes + 1`` bytes, not read whole).
 
-    :raises LockError: the file cannot be read, or is not a lock (see :func:`parse_lock`).
+    :raises LockError: the file cannot be read, is too large, or is not a lock (see
+        :func:`parse_lock`).
     """
+    name = os.fspath(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise LockError(f"cannot read the lock file {os.fspath(path)!r}: {err}") from None
-    return parse_lock(text, f"lock file {os.fspath(path)!r}")
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as err:
+        raise LockError(f"cannot read the lock file {name!r}: {err}") from None
+    if len(data) > max_bytes:
+        raise LockError(
+            f"lock file {name!r} is larger than {max_bytes:,} bytes, which no precision lock "
+            f"is (a few kilobytes of TOML): it is not a lock. Check the path, or write the "
+            "lock with `mixprec lock POLICY --backend NAME -o FILE`"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise LockError(
+            f"cannot read the lock file {name!r}: it is not UTF-8 text ({err}). {_WRITE_AGAIN}"
+        ) from None
+    return parse_lock(text, f"lock file {name!r}")
 
 
 # ---------------------------------------------------------------------- what changed

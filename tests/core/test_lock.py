@@ -181,3 +181,121 @@ def test_a_policy_object_and_auto_lock_as_their_resolved_policy(tmp_path: Path) 
         auto = locking.make_lock("auto", "numpy")
     assert auto.resolved == "O0"
     assert dataclasses.replace(auto, policy="O0") == locking.make_lock("O0", "numpy")
+
+
+# ---------------------------------------------------------------------- issue 37: files
+
+
+def _one_line_refusal(err: str, *words: str) -> None:
+    assert err.startswith("mixprec: error: ") and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    for word in words:
+        assert word in err, err
+
+
+def test_check_of_dev_zero_is_refused_after_the_size_cap_not_read_until_memory_runs_out(
+    tmp_path: Path,
+) -> None:
+    """``mixprec lock --check /dev/zero`` read until memory ran out: run as found, as a
+    command, under a 1 GiB address-space limit (without the cap it dies of MemoryError)."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "mixprec", "lock", "--check", "/dev/zero"],
+        capture_output=True, text=True, timeout=120, preexec_fn=limit, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    _one_line_refusal(done.stderr, "/dev/zero", "larger than")
+
+
+def test_a_lock_file_is_capped_like_a_policy_file(tmp_path: Path) -> None:
+    from mixprec.engine.spec import MAX_POLICY_BYTES
+
+    path = _written(tmp_path)
+    text = path.read_text()
+    path.write_text(text + "#" * (MAX_POLICY_BYTES - len(text.encode())))  # at the cap: read
+    assert mixprec.check_lock(path).ok
+    path.write_text(text + "#" * (MAX_POLICY_BYTES + 1 - len(text.encode())))
+    with pytest.raises(LockError, match="larger than 1,048,576 bytes"):
+        mixprec.check_lock(path)
+
+
+def test_a_lock_nested_3000_deep_is_a_lock_error_not_a_recursion_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "deep.lock"
+    path.write_text("x = " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(LockError, match="too deeply"):
+        mixprec.check_lock(path)
+    assert main(["lock", "--check", str(path)]) == 2
+    _one_line_refusal(capsys.readouterr().err, "too deeply")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda p: _edit(p, "format = 1", "format = true"), "format True"),
+        (lambda p: _edit(p, "format = 1", "format = 1.0"), "format 1.0"),
+        (lambda p: _edit(p, "format = 1\n", 'format = 1\nsigned_off = "me"\n'), "'signed_off'"),
+        (lambda p: p.write_text(p.read_text() + "\n[extra]\nnote = 1\n"), "'extra'"),
+        (lambda p: p.write_text('comment = "hi"\n' + p.read_text()), "'comment'"),
+    ],
+    ids=["format-true", "format-float", "lock-key", "table", "top-level-key"],
+)
+def test_what_is_outside_the_checksum_is_refused_not_ignored(
+    tmp_path: Path, edit: Any, match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``format = true`` (equal to 1 in Python) and unknown keys and tables were accepted:
+    nothing outside the checksum may change what the file says."""
+    path = _written(tmp_path)
+    edit(path)
+    with pytest.raises(LockError, match=match):
+        mixprec.check_lock(path)
+    assert main(["lock", "--check", str(path)]) == 2
+    _one_line_refusal(capsys.readouterr().err)
+
+
+def test_check_with_another_device_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device`` was ignored by ``lock --check``: a cpu lock checked "clean" for cuda."""
+    path = _written(tmp_path)
+    assert main(["lock", "--check", str(path), "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["lock", "--check", str(path), "--device", "cuda"]) == 2
+    _one_line_refusal(capsys.readouterr().err, "for device cpu, not cuda", "--device cpu")
+    with pytest.raises(LockError, match="for device cpu, not cuda"):
+        mixprec.check_lock(path, device="cuda")
+
+
+@pytest.mark.parametrize("where", ["folder", "empty", "proc", "fifo", "under-a-file"])
+def test_output_no_lock_can_be_written_to_is_one_line_and_exit_2(
+    tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lock -o`` a folder, ``''`` or ``/proc/...`` were tracebacks from mixprec/atomic.py."""
+    import os
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (work / "a-file").write_text("x")
+    if where == "fifo":
+        os.mkfifo(work / "pipe")
+    target = {
+        "folder": str(work),
+        "empty": "",
+        "proc": f"/proc/{os.getpid()}/precision.lock",
+        "fifo": str(work / "pipe"),
+        "under-a-file": str(work / "a-file" / "precision.lock"),
+    }[where]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["lock", "O1", "--backend", "numpy", "-o", target]) == 2
+    _one_line_refusal(capsys.readouterr().err, "cannot write the lock file", "-o")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    with pytest.raises(LockError, match="cannot write the lock file"):
+        mixprec.write_lock("O1", "numpy", target)
