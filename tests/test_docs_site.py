@@ -16,6 +16,8 @@ FRAMEWORK_FACES = (
     "mixprec.mxnet.",
     "mixprec.lightning",
     "mixprec.compat.",
+    # the JAX plugin lives in .venv-jax (NumPy 2); its tests check this page's targets there
+    "mixprec_jax",
 )
 
 
