@@ -2,9 +2,12 @@
 
 - an argument mistake (argparse's own, or one of the argument types below):
   ``mixprec: error: argument --steps: must be a whole number of at least 1, got '0' (see
-  'mixprec advise --help')``, exit status 2, no usage dump;
+  'mixprec advise --help')``, exit status 2, no usage dump; a misspelt command or choice
+  says the close match (``mixprec bakends``: ``did you mean 'backends'?``);
 - a refused input (any :class:`~mixprec.errors.MixprecError` a command raises):
   ``mixprec: error: <message>``, exit status 2, no traceback;
+- Ctrl-C: ``mixprec: interrupted``, exit status 130 (128 + SIGINT, as a shell reports it),
+  no traceback;
 - a warning: ``mixprec: warning: <message>`` (other libraries' warnings keep their class
   name: ``mixprec: warning: UserWarning: ...``), instead of Python's ``file:line`` and
   source-line format.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import sys
 import warnings
@@ -26,6 +30,8 @@ from mixprec.errors import MixprecError, MixprecWarning, PolicyError
 __all__ = ["NON_FLOATING", "CliParser", "cli_messages", "dtype_list", "positive_int"]
 
 PROG = "mixprec"
+#: The exit status of a command stopped by Ctrl-C: 128 + SIGINT, what a shell reports.
+INTERRUPTED = 130
 
 #: dtype names an op's inputs may have that take no part in its decision.
 NON_FLOATING = frozenset(
@@ -44,6 +50,20 @@ class CliParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """Print ``mixprec: error: <message> (see '<prog> --help')`` and exit with 2."""
         self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse's own check, with the close match of a misspelt command or choice
+        choices = action.choices
+        if choices is not None and isinstance(value, str) and value not in choices:
+            names = [str(choice) for choice in choices]
+            close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+            if close:
+                raise argparse.ArgumentError(
+                    action,
+                    f"invalid choice: {value!r}; did you mean {close[0]!r}? "
+                    f"(choose from {', '.join(map(repr, names))})",
+                )
+        super()._check_value(action, value)
 
 
 def dtype_list(text: str) -> list[str]:
@@ -98,9 +118,9 @@ def _show_warning(
 @contextlib.contextmanager
 def cli_messages() -> Iterator[Callable[[Callable[[], int]], int]]:
     """Inside: warnings print as ``mixprec: warning: ...``. Yields ``report(run)``, which
-    calls ``run()`` and turns a :class:`MixprecError` into ``mixprec: error: ...`` and 2
-    (and output piped into a command that stopped reading, ``mixprec policies | head``,
-    into a quiet exit)."""
+    calls ``run()`` and turns a :class:`MixprecError` into ``mixprec: error: ...`` and 2,
+    Ctrl-C into ``mixprec: interrupted`` and 130 (and output piped into a command that
+    stopped reading, ``mixprec policies | head``, into a quiet exit)."""
 
     def report(run: Callable[[], int]) -> int:
         try:
@@ -108,6 +128,9 @@ def cli_messages() -> Iterator[Callable[[Callable[[], int]], int]]:
         except MixprecError as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return INTERRUPTED
         except BrokenPipeError:
             # what is left in stdout's buffer would fail again at exit: point it at devnull
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -229,3 +229,103 @@ def test_warnings_print_as_one_mixprec_line(capsys: pytest.CaptureFixture[str]) 
         "mixprec: warning: bfloat16 is slow here",
         "mixprec: warning: UserWarning: a library's note",
     ]
+
+
+# ---------------------------------------------------------------------- issue 37
+
+
+@pytest.mark.parametrize(
+    ("argv", "close"),
+    [
+        (["bakends"], "'backends'"),
+        (["polcies"], "'policies'"),
+        (["lock", "O1", "--backend", "numpy", "--device", "cdua"], "'cuda'"),
+    ],
+)
+def test_a_misspelt_command_or_choice_says_the_close_match(
+    capsys: pytest.CaptureFixture[str], argv: list[str], close: str
+) -> None:
+    """Issue 36 item 4: ``mixprec bakends`` -> "did you mean 'backends'?"."""
+    err = _one_line_error(capsys, argv)
+    assert f"did you mean {close}?" in err and "(choose from " in err
+
+
+def test_a_choice_with_no_close_match_says_no_guess(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line_error(capsys, ["frobnicate"])
+    assert "did you mean" not in err and "invalid choice: 'frobnicate'" in err
+
+
+_SLOW_FACTORY = """
+import pathlib, time
+from collections.abc import Sequence
+
+import torch
+
+
+class SlowBatches(Sequence):
+    # one batch, slow to fetch: the advisor is running when Ctrl-C lands
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        if not isinstance(index, int) or index not in (0, -1):
+            raise IndexError(index)
+        pathlib.Path("running").touch()
+        time.sleep(0.05)
+        return torch.randn(8, 4), torch.randint(0, 2, (8,))
+
+
+def factory():
+    model = torch.nn.Linear(4, 2)
+    make_optimizer = lambda params: torch.optim.SGD(params, lr=0.1)
+    return model, make_optimizer, SlowBatches(), torch.nn.functional.cross_entropy
+"""
+
+
+@pytest.mark.torch
+def test_ctrl_c_in_advise_exits_130_with_one_line(tmp_path: Path) -> None:
+    """Ctrl-C in ``mixprec advise`` printed a 50-line traceback: run as found, a command
+    interrupted (SIGINT) while it runs."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("torch")
+    (tmp_path / "slow_advice.py").write_text(_SLOW_FACTORY)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "mixprec", "advise", "slow_advice:factory", "--steps", "1000",
+         "--candidates", "O1-bf16", "--out", str(tmp_path / "out")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "running").exists():
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the advisor never started"
+            time.sleep(0.1)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 130, err
+    assert err.splitlines()[-1:] == ["mixprec: interrupted"] and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("mixprec: ")] == [
+        "mixprec: interrupted"
+    ]
+
+
+def test_ctrl_c_in_any_command_exits_130_with_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mixprec import cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_policies", interrupted)
+    assert main(["policies"]) == 130
+    assert capsys.readouterr().err == "mixprec: interrupted\n"
