@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: demo test test-fast lint bench docs install clean gpu-check dist
+.PHONY: demo test test-fast lint bench docs install clean gpu-check dist kernels sanitize
 
 # The JAX plugin's own environment: JAX needs NumPy 2, MXNet 1.9.1 needs NumPy 1.23.5.
 JAX_VENV  := .venv-jax
@@ -18,6 +18,28 @@ $(STAMP): pyproject.toml constraints.txt plugins/mixprec-numpy/pyproject.toml
 	# torch==2.13.0 must be named exactly: a loose range pulls the CUDA build.
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' -e ./plugins/mixprec-numpy
 	touch $(STAMP)
+
+# The C kernels, built in place by the editable install (setup.py); rebuilt here after an
+# edit of the C without reinstalling anything else, and checked to load (the loader refuses
+# a library built from another version of the source). MIXPREC_NATIVE_BUILD=1 compiles them
+# at first use into a private cache instead (mixprec_torch.cpu.devbuild).
+KERNELS_C  := backends/torch/cpu/_cpu_kernels.c
+KERNELS_SO := backends/torch/cpu/_mixprec_kernels.so
+$(KERNELS_SO): $(KERNELS_C) setup.py | $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps --no-build-isolation -e .
+	MIXPREC_NATIVE= MIXPREC_NATIVE_BUILD= $(BIN)/python -c "import sys; \
+		from mixprec_torch.cpu import clib; i = clib.info(); \
+		print('CPU kernels:', i.describe()); sys.exit(i.origin != 'installed')"
+	touch $@
+
+kernels: $(KERNELS_SO)
+
+# The kernels built with AddressSanitizer and UBSan (the developer build, into
+# build/sanitize) and the kernel tests run against that build: the slow test does both, so
+# CI's full run covers it (tests/torch/test_native_delivery.py).
+sanitize: $(KERNELS_SO)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/torch/test_native_delivery.py \
+		-k sanitizer -m slow
 
 $(JAX_STAMP): pyproject.toml $(JAX_PIN) plugins/mixprec-jax/pyproject.toml
 	test -x $(JAX_BIN)/python || $(PYTHON) -m venv $(JAX_VENV)
@@ -43,17 +65,17 @@ dist:
 	rm -rf dist build/lib build/bdist.* plugins/mixprec-numpy/build plugins/mixprec-jax/build
 	$(PYTHON) -m pip wheel -q --no-deps -w dist . ./plugins/mixprec-numpy ./plugins/mixprec-jax
 
-demo: $(STAMP)
+demo: $(STAMP) $(KERNELS_SO)
 	$(BIN)/python examples/demo.py
 
 # The suite's time is part of its contract: both runs print their 25 slowest tests, and
 # README.md records the whole run's time and test count on the machine it was last taken on.
-test: $(STAMP) $(JAX_STAMP) $(WHEELHOUSE)
+test: $(STAMP) $(KERNELS_SO) $(JAX_STAMP) $(WHEELHOUSE)
 	$(BIN)/python -m pytest --durations=25
 	# the JAX plugin's tests (flax, optax, its conformance run) in their own environment
 	cd plugins/mixprec-jax && ../../$(JAX_BIN)/python -m pytest --durations=10
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(KERNELS_SO)
 	$(BIN)/python -m pytest -m "not slow"
 
 lint: $(STAMP)
@@ -69,7 +91,7 @@ lint: $(STAMP)
 	# the JAX plugin is not installed in .venv (NumPy 2): its source is only read, never imported
 	PYTHONPATH=plugins/mixprec-jax/src $(BIN)/lint-imports
 
-bench: $(STAMP)
+bench: $(STAMP) $(KERNELS_SO)
 	$(BIN)/python -m benchmarks
 
 # On a machine with a CUDA GPU, never in `make test`/CI: every CUDA test, the CUDA benchmark

@@ -131,6 +131,10 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             print(f"         {device.describe()}")
         for line in _unseen_summary(caps):
             print(f"         {line}")
+        # a backend's own notes (torch: where its CPU kernels come from), where it has any
+        notes = getattr(load_backend(row.info.name), "backend_notes", None)
+        for line in notes() if callable(notes) else ():
+            print(f"         {line}")
     disabled = disabled_plugins()
     if disabled:
         print(f"\ndisabled by {DISABLE_ENV}: {', '.join(sorted(disabled))}")

@@ -100,6 +100,8 @@ _LAZY = {
     "overflowing_params": "mixprec_torch.step.diagnostics",
     "overflow_records": "mixprec_torch.step.diagnostics",
     "underflow_fraction": "mixprec_torch.step.diagnostics",
+    # not public (not in __all__): the lines `mixprec backends` prints under torch
+    "backend_notes": "mixprec_torch.cpu.clib",
 }
 
 if TYPE_CHECKING:  # pragma: no cover

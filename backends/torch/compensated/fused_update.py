@@ -49,6 +49,18 @@ _ALGOS: dict[type, int] = {
     torch.optim.Adam: _ADAM,
     torch.optim.AdamW: _ADAM,
 }
+# The parameter-group keys the fused update honours, per rule: the ones it reads, the ones
+# that only pick torch's implementation (which this update replaces) or that an LR
+# scheduler or SWA keeps for itself, and those it honours only when off. Any other key (an
+# option a later torch adds, another library's) takes the generic path, which runs the
+# optimizer's own step.
+_READ = {
+    _SGD: {"params", "lr", "weight_decay", "maximize", "momentum", "dampening", "nesterov"},
+    _ADAM: {"params", "lr", "weight_decay", "maximize", "betas", "eps", "decoupled_weight_decay"},
+}
+_NEUTRAL = {"foreach", "fused", "param_names", "initial_lr", "max_lr", "min_lr", "swa_lr"}
+_NEUTRAL |= {"base_momentum", "max_momentum"}
+_ONLY_OFF = {_SGD: {"differentiable"}, _ADAM: {"amsgrad", "capturable", "differentiable"}}
 
 
 @dataclass
@@ -82,8 +94,9 @@ def fusable(
     algo = _ALGOS.get(base_class(optimizer))
     if algo is None:
         return False
+    known = _READ[algo] | _NEUTRAL | _ONLY_OFF[algo]
     for group in optimizer.param_groups:
-        if group.get("differentiable") or group.get("capturable") or group.get("amsgrad"):
+        if not known.issuperset(group) or any(group.get(k) for k in _ONLY_OFF[algo]):
             return False
         if algo == _ADAM and not all(isinstance(b, float) for b in group["betas"]):
             return False

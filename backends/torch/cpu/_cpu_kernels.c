@@ -1,5 +1,4 @@
-/* mixprec's CPU kernels, loaded with ctypes by mixprec_torch.cpu.clib (which compiles this file
- * with the system's C compiler on first use).
+/* mixprec's CPU kernels, loaded with ctypes by mixprec_torch.cpu.loader.
  *
  * - mp_guard: the step guard's one pass over the gradients: optionally unscale them (in place
  *   or into float32 master gradients), and return the sum of their squares (inf or NaN when
@@ -10,14 +9,24 @@
  *   back, the update rule in float32 registers.
  * - mp_round_sr / mp_noise: stochastic rounding of a float32 buffer and the noise it adds.
  *
+ * Building. The file is built when the package is (setup.py: a plain shared library inside
+ * mixprec_torch/cpu, shipped in the wheel; no Python headers), or by the developer build
+ * (mixprec_torch.cpu.devbuild), always with the flags of the `mixprec-cflags:` line below and
+ * never for the building machine's CPU (-march=native): the hot loops are compiled for
+ * AVX-512, AVX2 and the baseline of the target (gcc/clang target_clones) and the loader picks
+ * one at run time (mp_isa says which). The ABI number below is the only copy: the Python
+ * reads it from this file.
+ *
+ * mixprec-cflags: -O2 -ftree-vectorize -ffp-contract=off -fno-math-errno -pthread
+ *
  * Bit-exactness. Every float operation is rounded once (compiled with -ffp-contract=off: no
- * fused multiply-add), in the order of the torch fallback in mixprec_torch.fused_update and
- * mixprec_torch.noise, so the two give the same bits; vectorising changes no result (IEEE
- * add, mul, div and sqrt are correctly rounded, and no sum is reassociated except the guard's
- * sum of squares, which only decides a flag). The stochastic-rounding noise is counter-based:
- * element i of a pass with key k gets the 16 bits (i mod 4) of splitmix64's output for the
- * counter k + (i / 4) * golden gamma, so it depends only on (seed, step, element), never on
- * the thread that draws it.
+ * fused multiply-add, in every clone), in the order of the torch fallback in
+ * mixprec_torch.compensated.fused_update and mixprec_torch.cpu.noise, so the two give the
+ * same bits; vectorising changes no result (IEEE add, mul, div and sqrt are correctly
+ * rounded, and no sum is reassociated except the guard's sum of squares, which only decides
+ * a flag). The stochastic-rounding noise is counter-based: element i of a pass with key k
+ * gets the 16 bits (i mod 4) of splitmix64's output for the counter k + (i / 4) * golden
+ * gamma, so it depends only on (seed, step, element), never on the thread that draws it.
  */
 #include <math.h>
 #include <pthread.h>
@@ -39,32 +48,85 @@
 #define MP_CHUNK 128
 #define MP_MAX_THREADS 64
 
-int mp_abi_version(void) { return 3; }
+#define MP_ABI 4
+
+/* The sha-256 prefix of this file as built (set by the build; "unknown" without it): the
+ * loader refuses a library built from another version of the source (a stale in-place build
+ * after an edit). */
+#ifndef MP_SOURCE_ID
+#define MP_SOURCE_ID "unknown"
+#endif
+
+/* Run-time ISA dispatch: the functions that hold the hot loops get one clone per ISA and an
+ * ifunc resolver picks the best one this CPU runs (GNU/Linux on x86-64; elsewhere one
+ * baseline build). Every helper they call is inlined (MP_INLINE), so its loops are compiled
+ * for the clone's ISA too. -DMP_NO_CLONES builds a single version (for the tests that build
+ * one ISA alone, e.g. with -mavx2). */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(MP_NO_CLONES) && \
+    defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define MP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define MP_CLONE_LIST "avx512f,avx2,default"
+#endif
+#endif
+#ifndef MP_CLONES
+#define MP_CLONES
+#define MP_CLONE_LIST ""
+#endif
+
+#define MP_INLINE static inline __attribute__((always_inline))
+
+int mp_abi_version(void) { return MP_ABI; }
+
+const char *mp_source_id(void) { return MP_SOURCE_ID; }
+
+/* The clone the resolver picks on this CPU (its rule: the first of the list the CPU
+ * supports), or the one ISA of a build without clones. */
+const char *mp_isa(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (MP_CLONE_LIST[0] != '\0') {
+        if (__builtin_cpu_supports("avx512f")) return "avx512f";
+        if (__builtin_cpu_supports("avx2")) return "avx2";
+        return "default";
+    }
+#endif
+#if defined(__AVX512F__)
+    return "avx512f";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "baseline";
+#endif
+}
+
+/* The ISAs the hot loops were compiled for ("" without clones). */
+const char *mp_isa_clones(void) { return MP_CLONE_LIST; }
 
 /* ------------------------------------------------------------------ conversions */
 
-static inline float bits_to_f32(uint32_t u) {
+MP_INLINE float bits_to_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-static inline uint32_t f32_to_bits(float f) {
+MP_INLINE uint32_t f32_to_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     return u;
 }
 
-static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+MP_INLINE float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
 
 /* Round to nearest, ties to even; NaN becomes 0x7FC0 (c10::BFloat16's rule). */
-static inline uint16_t f32_to_bf16(float f) {
+MP_INLINE uint16_t f32_to_bf16(float f) {
     uint32_t u = f32_to_bits(f);
     uint16_t rounded = (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
     return f != f ? (uint16_t)0x7FC0 : rounded;
 }
 
-static inline float f16_to_f32(uint16_t h) {
+MP_INLINE float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1Fu;
     uint32_t mant = h & 0x3FFu;
@@ -76,13 +138,13 @@ static inline float f16_to_f32(uint16_t h) {
     return bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
-static inline float load_as_f32(const void *p, int32_t dtype, int64_t i) {
+MP_INLINE float load_as_f32(const void *p, int32_t dtype, int64_t i) {
     if (dtype == MP_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
     if (dtype == MP_F16) return f16_to_f32(((const uint16_t *)p)[i]);
     return ((const float *)p)[i];
 }
 
-static void widen(float *restrict out, const void *restrict p, int32_t dtype, int64_t n) {
+MP_INLINE void widen(float *restrict out, const void *restrict p, int32_t dtype, int64_t n) {
     if (dtype == MP_BF16) {
         const uint16_t *restrict b = (const uint16_t *)p;
         for (int64_t j = 0; j < n; j++) out[j] = bf16_to_f32(b[j]);
@@ -94,14 +156,14 @@ static void widen(float *restrict out, const void *restrict p, int32_t dtype, in
 
 /* ------------------------------------------------------------------ noise */
 
-static inline uint64_t mix64(uint64_t z) {
+MP_INLINE uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
     return z ^ (z >> 31);
 }
 
 /* out[j] = noise of element first + j, j < count; out must hold count + 8 entries. */
-static void fill_noise(uint64_t key, int64_t first, int64_t count, uint16_t *out) {
+MP_INLINE void fill_noise(uint64_t key, int64_t first, int64_t count, uint16_t *out) {
     int64_t block0 = first >> 2;
     int64_t skip = first - (block0 << 2);
     int64_t blocks = (skip + count + 3) >> 2;
@@ -117,7 +179,7 @@ static void fill_noise(uint64_t key, int64_t first, int64_t count, uint16_t *out
     memcpy(out, tmp + skip, (size_t)count * sizeof(uint16_t));
 }
 
-static inline uint16_t round_sr(float x, uint16_t noise) {
+MP_INLINE uint16_t round_sr(float x, uint16_t noise) {
     return (uint16_t)((f32_to_bits(x) + (uint32_t)noise) >> 16);
 }
 
@@ -209,19 +271,19 @@ typedef struct {
 /* The sum of squares in 16 float32 lanes: a lane can only overflow when the whole sum does
  * (every term is >= 0), so this decides "the squared norm overflows float32" as one float32
  * sum would, in a vectorisable order. */
-static void sum_squares(const float *restrict v, int64_t n, float *restrict acc) {
+MP_INLINE void sum_squares(const float *restrict v, int64_t n, float *restrict acc) {
     int64_t j = 0;
     for (; j + 16 <= n; j += 16)
         for (int k = 0; k < 16; k++) acc[k] += v[j + k] * v[j + k];
     for (; j < n; j++) acc[j & 15] += v[j] * v[j];
 }
 
-static void scale_into(float *restrict out, const float *restrict v, float k, int64_t n) {
+MP_INLINE void scale_into(float *restrict out, const float *restrict v, float k, int64_t n) {
     for (int64_t j = 0; j < n; j++) out[j] = v[j] * k;
 }
 
 /* bfloat16 store, rounded to nearest; out gets the stored values back as float32 */
-static void narrow_bf16(uint16_t *restrict dst, float *restrict v, int64_t n) {
+MP_INLINE void narrow_bf16(uint16_t *restrict dst, float *restrict v, int64_t n) {
     for (int64_t j = 0; j < n; j++) {
         uint16_t b = f32_to_bf16(v[j]);
         dst[j] = b;
@@ -252,7 +314,7 @@ static void narrow_bf16(uint16_t *restrict dst, float *restrict v, int64_t n) {
 
 #define LOAD_F32(i) (fsrc[i])
 
-static int guard_simple(const mp_guard_item *it, int64_t a, int64_t b, float inv, int scaled,
+MP_INLINE int guard_simple(const mp_guard_item *it, int64_t a, int64_t b, float inv, int scaled,
                         float *acc) {
     if (it->sdt != MP_F32 || (it->dst != NULL && it->ddt != MP_F32)) return 0;
     const float *fsrc = (const float *)it->src;
@@ -269,7 +331,7 @@ static int guard_simple(const mp_guard_item *it, int64_t a, int64_t b, float inv
     return 1;
 }
 
-static void guard_piece(const mp_guard_item *it, int64_t a, int64_t b, float inv, int scaled,
+MP_INLINE void guard_piece(const mp_guard_item *it, int64_t a, int64_t b, float inv, int scaled,
                         float *acc) {
     float xs[MP_CHUNK], ys[MP_CHUNK];
     if (guard_simple(it, a, b, inv, scaled, acc)) return;
@@ -307,7 +369,7 @@ static void guard_piece(const mp_guard_item *it, int64_t a, int64_t b, float inv
     }
 }
 
-static void guard_range(void *arg, int64_t lo, int64_t hi, int tid) {
+MP_CLONES static void guard_range(void *arg, int64_t lo, int64_t hi, int tid) {
     guard_ctx *c = (guard_ctx *)arg;
     float acc[16];
     for (int k = 0; k < 16; k++) acc[k] = 0.0f;
@@ -399,13 +461,13 @@ typedef struct {
  * 16.8 M parameters took about 18 ms in chunks of 128 elements and 30 ms in chunks of 512
  * (the streams of weight, compensation, gradient and state are read in shorter bursts). */
 
-static void widen_sum(float *restrict out, const uint16_t *restrict w, const uint16_t *restrict c,
+MP_INLINE void widen_sum(float *restrict out, const uint16_t *restrict w, const uint16_t *restrict c,
                       int64_t n) {
     for (int64_t j = 0; j < n; j++) out[j] = bf16_to_f32(w[j]) + bf16_to_f32(c[j]);
 }
 
 /* store float32 values: as float32, or rounded stochastically into bfloat16 */
-static void narrow_state(void *restrict p, int32_t dtype, const float *restrict v,
+MP_INLINE void narrow_state(void *restrict p, int32_t dtype, const float *restrict v,
                          const uint16_t *restrict noise, int64_t n) {
     if (dtype == MP_BF16) {
         uint16_t *restrict b = (uint16_t *)p;
@@ -416,7 +478,7 @@ static void narrow_state(void *restrict p, int32_t dtype, const float *restrict 
     }
 }
 
-static void store_kahan(uint16_t *restrict w, uint16_t *restrict c, const float *restrict x,
+MP_INLINE void store_kahan(uint16_t *restrict w, uint16_t *restrict c, const float *restrict x,
                         int64_t n) {
     for (int64_t j = 0; j < n; j++) {
         uint16_t wn = f32_to_bf16(x[j]);
@@ -425,25 +487,25 @@ static void store_kahan(uint16_t *restrict w, uint16_t *restrict c, const float 
     }
 }
 
-static void store_sr(uint16_t *restrict w, const float *restrict x, const uint16_t *restrict noise,
+MP_INLINE void store_sr(uint16_t *restrict w, const float *restrict x, const uint16_t *restrict noise,
                      int64_t n) {
     for (int64_t j = 0; j < n; j++) w[j] = round_sr(x[j], noise[j]);
 }
 
-static void negate(float *restrict g, int64_t n) {
+MP_INLINE void negate(float *restrict g, int64_t n) {
     for (int64_t j = 0; j < n; j++) g[j] = -g[j];
 }
 
 /* g += x * wd (L2 weight decay, SGD and Adam) */
-static void decay_grad(float *restrict g, const float *restrict x, float wd, int64_t n) {
+MP_INLINE void decay_grad(float *restrict g, const float *restrict x, float wd, int64_t n) {
     for (int64_t j = 0; j < n; j++) g[j] = g[j] + x[j] * wd;
 }
 
-static void scale(float *restrict x, float k, int64_t n) {
+MP_INLINE void scale(float *restrict x, float k, int64_t n) {
     for (int64_t j = 0; j < n; j++) x[j] = x[j] * k;
 }
 
-static void adam_rule(float *restrict x, const float *restrict g, float *restrict m,
+MP_INLINE void adam_rule(float *restrict x, const float *restrict g, float *restrict m,
                       float *restrict v, const mp_hyper *h, const mp_item *it, int64_t n) {
     const float omb1 = h->omb1, beta2 = h->beta2, omb2 = h->omb2, eps = h->eps;
     const float step_size = it->step_size, inv_bc2 = it->inv_bc2;
@@ -458,7 +520,7 @@ static void adam_rule(float *restrict x, const float *restrict g, float *restric
 }
 
 /* buf = first ? g : buf * momentum + g * (1 - dampening); g = nesterov ? g + buf * momentum : buf */
-static void momentum_rule(float *restrict g, float *restrict buf, const mp_hyper *h, int first,
+MP_INLINE void momentum_rule(float *restrict g, float *restrict buf, const mp_hyper *h, int first,
                           int64_t n) {
     const float momentum = h->momentum, omd = h->omd;
     if (first) {
@@ -474,11 +536,11 @@ static void momentum_rule(float *restrict g, float *restrict buf, const mp_hyper
 }
 
 /* x -= g * lr */
-static void sgd_rule(float *restrict x, const float *restrict g, float lr, int64_t n) {
+MP_INLINE void sgd_rule(float *restrict x, const float *restrict g, float lr, int64_t n) {
     for (int64_t j = 0; j < n; j++) x[j] = x[j] - g[j] * lr;
 }
 
-static void update_piece(const mp_item *it, const mp_hyper *h, int64_t a, int64_t b) {
+MP_INLINE void update_piece(const mp_item *it, const mp_hyper *h, int64_t a, int64_t b) {
     float xs[MP_CHUNK], gs[MP_CHUNK], s0[MP_CHUNK], s1[MP_CHUNK];
     uint16_t nw[MP_CHUNK + 8], n0[MP_CHUNK + 8], n1[MP_CHUNK + 8];
     const int adam = h->algo == MP_ADAM;
@@ -537,7 +599,7 @@ static void update_piece(const mp_item *it, const mp_hyper *h, int64_t a, int64_
     }
 }
 
-static void update_range(void *arg, int64_t lo, int64_t hi, int tid) {
+MP_CLONES static void update_range(void *arg, int64_t lo, int64_t hi, int tid) {
     update_ctx *c = (update_ctx *)arg;
     (void)tid;
     const mp_items *t = c->items;
@@ -567,7 +629,7 @@ typedef struct {
     int64_t index;
 } sr_ctx;
 
-static void sr_range(void *arg, int64_t lo, int64_t hi, int tid) {
+MP_CLONES static void sr_range(void *arg, int64_t lo, int64_t hi, int tid) {
     sr_ctx *c = (sr_ctx *)arg;
     uint16_t noise[MP_CHUNK + 8];
     (void)tid;
@@ -586,11 +648,15 @@ void mp_round_sr(uint32_t *bits, int64_t n, uint64_t key, int64_t index, int32_t
 }
 
 /* The noise of elements index .. index + n - 1 (for tests and the fallback's checks). */
-void mp_noise(uint16_t *out, int64_t n, uint64_t key, int64_t index) {
+MP_CLONES static void noise_into(uint16_t *out, int64_t n, uint64_t key, int64_t index) {
     uint16_t buf[MP_CHUNK + 8];
     for (int64_t a = 0; a < n; a += MP_CHUNK) {
         int64_t len = a + MP_CHUNK < n ? MP_CHUNK : n - a;
         fill_noise(key, index + a, len, buf);
         memcpy(out + a, buf, (size_t)len * sizeof(uint16_t));
     }
+}
+
+void mp_noise(uint16_t *out, int64_t n, uint64_t key, int64_t index) {
+    noise_into(out, n, key, index);
 }

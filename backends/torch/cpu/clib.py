@@ -1,4 +1,4 @@
-"""mixprec's CPU kernels (``_cpu_kernels.c``): compiled on first use, loaded with :mod:`ctypes`.
+"""mixprec's CPU kernels (``_cpu_kernels.c``), loaded with :mod:`ctypes`, and the calls into them.
 
 Three hot paths of a step have no single torch operation on the CPU:
 
@@ -11,41 +11,39 @@ Three hot paths of a step have no single torch operation on the CPU:
   gradient and optimizer state;
 - stochastic rounding with counter-based noise (:func:`round_stochastic`, :func:`noise`).
 
-**Building.** The first call compiles ``_cpu_kernels.c`` (plain C and pthreads, no Python or torch
-headers: about a second) with the C compiler named by ``$CC`` or found as ``cc``, ``gcc`` or
-``clang``, for this CPU (``-march=native``), into ``$MIXPREC_CACHE_DIR`` or
-``$XDG_CACHE_HOME/mixprec`` (``~/.cache/mixprec``), named by a hash of the source, the
-compiler, its flags and the CPU, so a cache shared between machines never loads another CPU's
-build. The file is written to a temporary name and renamed (several processes may build at
-once). ``MIXPREC_NATIVE=0`` switches the kernels off.
+**Where the library comes from.** It is built with the package (``setup.py``: the wheel
+carries it, ``pip install -e .`` builds it in place) with fixed flags, the ISA of its hot loops
+picked at run time; :mod:`.loader` finds and checks it (:mod:`.libfile`: what it trusts), or
+the developer build (:mod:`.devbuild`, ``MIXPREC_NATIVE_BUILD=1``) compiles it at first use
+into a private cache. ``MIXPREC_NATIVE=0`` switches the kernels off.
 
-**Without a compiler** (or when the build fails, or with ``MIXPREC_NATIVE=0``) every caller
-falls back to torch operations that give the same bits (tests/torch/test_cpu_kernels.py checks the
-two against each other); only the speed differs. :func:`status` says which is in use and why.
+**Without the library** every caller falls back to torch operations that give the same bits
+(tests/torch/test_cpu_kernels.py checks the two against each other); only the speed differs,
+and a :class:`~.loader.NativeKernelsWarning` says so once per process. Only CPU work asks for
+the library (:func:`library`): a CUDA run never loads it. :func:`status` says which is in use
+and why; ``mixprec backends`` prints it (:func:`backend_notes`).
 """
 
 from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
+
+from . import loader
+from .loader import KernelInfo, NativeKernelsWarning
 
 __all__ = [
     "DTYPE_CODES",
     "Hyper",
     "Items",
+    "KernelInfo",
+    "NativeKernelsWarning",
+    "backend_notes",
     "guard_pass",
+    "info",
     "library",
     "noise",
     "round_stochastic",
@@ -53,26 +51,12 @@ __all__ = [
     "update",
 ]
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("_cpu_kernels.c")
-_ABI = 3
 #: torch dtype -> the kernels' dtype code
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_FLAGS = ["-O2", "-ftree-vectorize", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
-
-
-def _flag_sets() -> tuple[list[str], ...]:
-    """The compiler flags to try, the first that compiles wins; every set keeps
-    ``-ffp-contract=off`` (bit-exactness). ``$MIXPREC_NATIVE_MARCH`` replaces ``native``
-    as the target (e.g. ``x86-64-v3`` for a cache shared by different CPUs, or to run under
-    valgrind, which has no AVX-512)."""
-    march = os.environ.get("MIXPREC_NATIVE_MARCH", "native").strip() or "native"
-    return ([*_FLAGS, f"-march={march}", "-pthread"], [*_FLAGS, "-pthread"])
-
-
 _lock = threading.Lock()
+#: The process's answer, once asked: ``lib`` (the library or None), ``reason`` (why none)
+#: and ``info`` (:class:`~.loader.KernelInfo`). Tests and benchmarks swap it to run the twin.
 _state: dict[str, object] = {}
 
 
@@ -120,152 +104,48 @@ class Hyper(ctypes.Structure):
     ]
 
 
-def _cache_dir() -> Path:
-    explicit = os.environ.get("MIXPREC_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mixprec"
-
-
-def _compiler() -> str | None:
-    named = os.environ.get("CC")
-    if named:
-        return shutil.which(named) or (named if os.path.isfile(named) else None)
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def _cpu_identity() -> str:
-    """What ``-march=native`` depends on: the CPU's feature flags where Linux lists them."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        out = subprocess.run(
-            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.stdout.splitlines()[0] if out.stdout else ""
-
-
-def _build(cc: str) -> tuple[Path | None, str]:
-    """Compile the source into the cache (or find it there); (path, why not)."""
-    source = _SOURCE.read_bytes()
-    version = _compiler_version(cc)
-    folder = _cache_dir()
-    errors = []
-    for flags in _flag_sets():
-        key = hashlib.sha256(
-            b"\0".join(
-                [
-                    source,
-                    cc.encode(),
-                    version.encode(),
-                    " ".join(flags).encode(),
-                    _cpu_identity().encode(),
-                    platform.machine().encode(),
+def _ask() -> KernelInfo:
+    """Load once per process (:func:`~.loader.load`) into :data:`_state`."""
+    with _lock:
+        if "lib" not in _state:
+            lib, answer = loader.load()
+            if lib is not None:
+                lib.mp_update.argtypes = [
+                    ctypes.c_int64,
+                    ctypes.POINTER(Items),
+                    ctypes.POINTER(Hyper),
+                    ctypes.c_int32,
                 ]
-            )
-        ).hexdigest()[:24]
-        target = folder / f"mixprec-native-{key}.so"
-        if target.exists():
-            return target, ""
-        try:
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-            os.close(fd)
-        except OSError as exc:
-            return None, f"cannot write the kernel cache {folder}: {exc}"
-        try:
-            done = subprocess.run(
-                [cc, *flags, "-o", tmp, str(_SOURCE)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-            if done.returncode == 0:
-                os.replace(tmp, target)
-                return target, ""
-            errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-400:]}")
-        except (OSError, subprocess.SubprocessError) as exc:
-            errors.append(f"{' '.join(flags)}: {exc}")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return None, f"{cc} could not compile {_SOURCE.name}: " + "; ".join(errors)
-
-
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    if lib.mp_abi_version() != _ABI:
-        raise OSError(f"{path} is not built from this mixprec's {_SOURCE.name}")
-    p, i64, i32, f32, u64 = (
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int32,
-        ctypes.c_float,
-        ctypes.c_uint64,
-    )
-    lib.mp_guard.argtypes = [i64, p, p, p, p, p, f32, i32, i32]
-    lib.mp_guard.restype = ctypes.c_double
-    lib.mp_update.argtypes = [i64, ctypes.POINTER(Items), ctypes.POINTER(Hyper), i32]
-    lib.mp_update.restype = None
-    lib.mp_round_sr.argtypes = [p, i64, u64, i64, i32]
-    lib.mp_round_sr.restype = None
-    lib.mp_noise.argtypes = [p, i64, u64, i64]
-    lib.mp_noise.restype = None
-    return lib
+            _state.update(lib=lib, reason=answer.reason, info=answer)
+    known = _state.get("info")
+    if isinstance(known, KernelInfo):
+        return known
+    # a test or benchmark set the state by hand
+    origin = "installed" if _state.get("lib") is not None else "unavailable"
+    return KernelInfo(origin, reason=str(_state.get("reason", "")))
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, building them on the first call; None where they cannot be had."""
-    if "lib" in _state:
-        return _state["lib"]  # type: ignore[return-value]
-    with _lock:
-        if "lib" in _state:
-            return _state["lib"]  # type: ignore[return-value]
-        lib: ctypes.CDLL | None = None
-        reason = ""
-        if os.environ.get("MIXPREC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-            reason = "switched off by MIXPREC_NATIVE=0"
-        elif not sys.platform.startswith(("linux", "darwin", "freebsd")):
-            reason = f"not built on {sys.platform}"
-        else:
-            cc = _compiler()
-            if cc is None:
-                reason = "no C compiler found ($CC, cc, gcc, clang)"
-            else:
-                path, reason = _build(cc)
-                if path is not None:
-                    try:
-                        lib = _load(path)
-                    except OSError as exc:
-                        reason = f"cannot load {path}: {exc}"
-        if lib is None:
-            logger.info("mixprec native kernels unavailable (%s): using torch operations", reason)
-        _state["lib"] = lib
-        _state["reason"] = reason
-        return lib
+    """The loaded kernels, None where they cannot be had (then, once per process, a
+    :class:`~.loader.NativeKernelsWarning` says why). Call it only for CPU work."""
+    if "lib" not in _state:
+        loader.warn_once(_ask())
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def info() -> KernelInfo:
+    """Where the kernels come from, or why none are in use (loads them; warns nothing)."""
+    return _ask()
 
 
 def status() -> str:
-    """Whether the kernels are in use, and if not, why."""
-    lib = library()
-    return "in use" if lib is not None else f"not in use: {_state.get('reason')}"
+    """Whether the kernels are in use and where from, and if not, why."""
+    return info().describe()
+
+
+def backend_notes() -> list[str]:
+    """The lines ``mixprec backends`` prints under the torch backend."""
+    return [f"CPU kernels: {status()}"]
 
 
 def _threads() -> int:

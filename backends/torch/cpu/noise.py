@@ -13,9 +13,12 @@ function of where they are used, not a stream that is drawn:
 
 So the noise does not depend on how the work is split (slices, threads, fused or not), and a
 checkpoint needs only the seed and the step counts to resume the same numbers. The native
-kernels (:mod:`mixprec_torch.cpu.clib`) compute it inside their passes; :func:`noise` and
-:func:`round_stochastic_` here are the same numbers from torch operations, used where the
-kernels are not available (tests/torch/test_cpu_kernels.py checks that they agree bit for bit).
+kernels (:mod:`mixprec_torch.cpu.clib`) compute it inside their passes on the CPU; the twin
+here computes the same numbers with element-wise int64 torch operations on the tensor's own
+device (torch has no uint64: the 64-bit arithmetic wraps around in int64 and the logical
+shifts are arithmetic shifts masked), so a CUDA tensor's noise is drawn on the GPU and the C
+library is never asked for (tests/torch/test_cpu_kernels.py checks that they agree bit for
+bit).
 """
 
 from __future__ import annotations
@@ -80,25 +83,29 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _noise_torch(key: int, index: int, count: int) -> torch.Tensor:
+def _noise_torch(
+    key: int, index: int, count: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The twin of the C's noise, computed on ``device``."""
     first = index >> 2
-    blocks = torch.arange(first, ((index + count + 3) >> 2), dtype=torch.int64)
+    blocks = torch.arange(first, ((index + count + 3) >> 2), dtype=torch.int64, device=device)
     z = blocks.mul_(_signed(_GAMMA)).add_(_signed(key))
     z = (z ^ _shr(z, 30)).mul_(_signed(_M1))
     z = (z ^ _shr(z, 27)).mul_(_signed(_M2))
     z = z ^ _shr(z, 31)
     lanes = torch.stack([(z >> shift) & 0xFFFF for shift in (0, 16, 32, 48)], dim=1).view(-1)
     skip = index - (first << 2)
-    return lanes[skip : skip + count].to(torch.int32)
+    return lanes.narrow(0, skip, count).to(torch.int32)
 
 
-def noise(key: int, index: int, count: int) -> torch.Tensor:
+def noise(key: int, index: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The 16-bit noise (as int32 values in ``[0, 2**16)``) of elements ``index`` to
-    ``index + count - 1`` of a pass with ``key``."""
-    lib = clib.library()
-    if lib is not None:
-        return clib.noise(lib, key, index, count)
-    return _noise_torch(key, index, count)
+    ``index + count - 1`` of a pass with ``key``, on ``device``."""
+    if torch.device(device).type == "cpu":
+        lib = clib.library()
+        if lib is not None:
+            return clib.noise(lib, key, index, count)
+    return _noise_torch(key, index, count, device)
 
 
 def round_stochastic_(work: torch.Tensor, key: int, index: int = 0) -> None:
@@ -108,13 +115,14 @@ def round_stochastic_(work: torch.Tensor, key: int, index: int = 0) -> None:
     the farther one (in magnitude) is chosen with probability equal to the distance from the
     nearer one in units of their spacing. ``index`` is the position of ``work[0]`` in the
     pass."""
-    lib = clib.library()
-    if lib is not None and work.device.type == "cpu" and work.is_contiguous():
-        clib.round_stochastic(lib, work, key, index)
-        return
+    if work.device.type == "cpu" and work.is_contiguous():
+        lib = clib.library()
+        if lib is not None:
+            clib.round_stochastic(lib, work, key, index)
+            return
     flat = work.view(-1)
-    for part in flat_slices(flat.numel()):
-        bits = flat[part].view(torch.int32)
-        start = index + (part.start or 0)
-        drawn = _noise_torch(key, start, bits.numel()).to(work.device)
+    total = flat.numel()
+    for start in range(0, total, SLICE):
+        bits = flat.narrow(0, start, min(SLICE, total - start)).view(torch.int32)
+        drawn = _noise_torch(key, index + start, bits.numel(), work.device)
         bits.add_(drawn).bitwise_and_(_HIGH_MASK)

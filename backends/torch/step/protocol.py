@@ -2,21 +2,36 @@
 
 1. **scale the loss** (:func:`scaled_loss`, inside ``scale_loss``): float32, times the scale;
 2. **backward**: the user's ``scaled.backward()``;
-3. **unscale** (:func:`unscale`, from ``unscale_`` or the step): model gradients are cast into
-   the float32 masters' gradients, then one fused unscale-and-check per (device, dtype);
+3. **unscale** (:func:`unscale`, from ``unscale_`` or the round): model gradients are cast
+   into the float32 masters' gradients, then one fused unscale-and-check per (device, dtype),
+   or one native pass for all of them on the CPU;
 4. **found_inf, reduced across ranks** (:func:`reduce_found_inf`): the step's one host sync;
 5. **skip or step** (:func:`step`, the patched ``optimizer.step``);
 6. **scale update**: once per round, in :func:`open_round`;
 7. **copy masters into model params** (:func:`copy_masters_to_model`) after a real step;
    under ``master=kahan|stochastic`` the group's
    :class:`~mixprec_torch.compensated.compensation.Compensation` fills float32 working masters
-   before the optimizer's own update and rounds them back into bfloat16 after it;
-   before the optimizer's update, model weights and gradients the user wrote since mixprec
-   last did (weight surgery, a clip of the model's gradients after ``unscale_``) are carried
-   into the masters (:mod:`mixprec_torch.step.model_edits`);
+   before the optimizer's own update and rounds them back into bfloat16 after it (or runs
+   the fused update, which does all of it in one pass);
 8. **overflow records**: on a skip only, the names of the overflowing parameters are recorded
    before the scaler hears of it (:func:`mixprec_torch.step.diagnostics.record_overflows`), so
    skip hooks can already ask for them.
+
+One ``optimizer.step()`` is :func:`step`: the round (:func:`open_round`: the guard pass of
+each member, 3, then 4, 8 and 6) unless another optimizer's step opened it, the update
+(:func:`_update`, 5 and 7), and the end of the iteration (:func:`_end`). What it reads and
+writes is the optimizer's state in three values
+(:mod:`mixprec_torch.step.optimizer_state`): the :class:`Layout` of its parameter groups
+(:func:`layout`, built once per change of the groups), its :class:`Iteration` (replaced by a
+fresh one when the step ends, taken or skipped) and its history (the tracker, the skip
+records).
+
+**What the user wrote since mixprec last did** (:mod:`mixprec_torch.step.model_edits`) is
+taken where it is checked: a clip of the model's gradients after ``unscale_`` in the guard
+pass (:func:`guard`), before the check that decides the skip; a gradient written between
+the round and this optimizer's own step by a second guard pass of that optimizer
+(:func:`_written_since_check`); weight surgery since the last master copy right before the
+update (:func:`_update`).
 
 **Rounds and skipping together.** All optimizers of one ``wrap`` call share one
 :class:`~mixprec.LossScaler`. The first ``step()`` after scaled backward passes opens a
@@ -75,7 +90,15 @@ from .model_edits import (
     refresh_edited_masters,
     take_grad_edits,
 )
-from .optimizer_state import OptimizerState, Round, WrapGroup, base_class, optimizer_state
+from .optimizer_state import (
+    Iteration,
+    Layout,
+    OptimizerState,
+    Round,
+    WrapGroup,
+    base_class,
+    optimizer_state,
+)
 
 __all__ = [
     "check_grads",
@@ -83,6 +106,8 @@ __all__ = [
     "copy_grads_to_masters",
     "copy_masters_to_model",
     "count_plain_backward",
+    "guard",
+    "layout",
     "open_round",
     "reduce_found_inf",
     "scaled_loss",
@@ -104,10 +129,11 @@ def scaled_loss(loss: torch.Tensor, group: WrapGroup) -> torch.Tensor:
 # ------------------------------------------------------------------ 3. unscale
 
 
-def copies(st: OptimizerState, optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
-    """(model params, their separate masters) among the optimizer's params, from the group's
-    master map; cached on ``st`` until the param groups change."""
-    if st.copies is None:
+def layout(st: OptimizerState, optimizer: torch.optim.Optimizer) -> Layout:
+    """The optimizer's :class:`Layout`: built from the group's master map on first use, kept
+    until the param groups change (``add_param_group`` drops it)."""
+    lay = st.layout
+    if lay is None:
         by_master = {id(m): p for p, m in st.group.masters.copied_pairs()}
         params: list[torch.Tensor] = []
         masters: list[torch.Tensor] = []
@@ -117,17 +143,38 @@ def copies(st: OptimizerState, optimizer: torch.optim.Optimizer) -> tuple[list[A
                 if param is not None:
                     params.append(param)
                     masters.append(master)
-        st.copies = (params, masters)
-        st.model_of = {id(m): p for p, m in zip(params, masters, strict=True)}
-        st.param_versions = None  # kept in the order of the cached lists
-    return st.copies
+        lay = st.layout = Layout(params, masters)
+    return lay
+
+
+def copies(st: OptimizerState, optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
+    """(model params, their separate masters) among the optimizer's params: the layout's
+    pair of lists."""
+    return layout(st, optimizer).pairs
 
 
 def copy_grads_to_masters(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
     """Cast the model gradients into the masters' float32 gradients (None stays None)."""
-    params, masters = copies(st, optimizer)
-    cast_grads_into([param.grad for param in params], masters, st.spare_grads)
-    st.grads_cast = True
+    lay = layout(st, optimizer)
+    cast_grads_into([param.grad for param in lay.params], lay.masters, st.spare_grads)
+    st.iteration.grads_cast = True
+
+
+def _fused(st: OptimizerState, optimizer: torch.optim.Optimizer, lay: Layout) -> bool:
+    """Whether this step takes the compensated fused update: decided once per step, the walk
+    over the parameters once per layout (:attr:`Layout.fusable`)."""
+    it = st.iteration
+    fused = it.fused
+    if fused is None:
+        comp = st.group.compensation
+        if comp is None:
+            fused = False
+        else:
+            if lay.fusable is None:
+                lay.fusable = comp.fusable_params(optimizer)
+            fused = lay.fusable and comp.fusable_options(optimizer)
+        it.fused = fused
+    return fused
 
 
 def unscale(
@@ -142,42 +189,42 @@ def unscale(
     Per (device, dtype): one fused unscale-and-check (only when the loss is scaled), then,
     with ``check``, the guard's check (:func:`check_grads`). Without loss scaling the check
     alone reads the gradients, so the bf16 presets read them once. The flags stay on the
-    device in ``st.found_inf`` (no host sync here). ``scale`` divides instead of the group's
-    scale (the apex shim's per-loss scalers).
+    device in the iteration's ``found_inf`` (no host sync here). ``scale`` divides instead of
+    the group's scale (the apex shim's per-loss scalers).
 
     Where every gradient is a dense CPU tensor and the native kernels are built, the cast,
-    the unscale and the check are one pass (:func:`~mixprec_torch.cpu.grad_check.native_unscale`);
-    under the fused compensated update the model's gradients are then only read.
+    the unscale and the check are one pass (:func:`~mixprec_torch.cpu.grad_check.native_unscale`),
+    whose verdict is on the host already (``found_on_host``); under the fused compensated
+    update the model's gradients are then only read.
 
     ``check=False`` (``unscale_``, the apex shim's ``scale_loss`` exit) leaves the guard's
-    check to the step (:func:`open_round`), so it sees the gradients after whatever the user
+    check to the step (:func:`guard`), so it sees the gradients after whatever the user
     did to them since (a clip, an edit), in the same one pass. It takes the torch path, which
     casts into the masters' gradients: they are there for the user to clip.
     """
+    it = st.iteration
     scaler = st.group.scaler
-    scaler = st.group.scaler
-    lib = clib.library() if check and st.local is None else None
-    if lib is not None:
-        scaled_now = scale is not None or scaler.enabled
-        inv = 1.0 / (scale if scale is not None else scaler.scale) if scaled_now else None
-        comp = st.group.compensation
-        cast = scaled_now or comp is None or not comp.fusable(optimizer)
-        key = copies(st, optimizer)
-        plan = st.guard_plan
-        if plan is None or plan.key is not key:
-            plan = st.guard_plan = GuardPlan(key, optimizer, st.model_of)
-
-        def buffers(
-            grads: list[torch.Tensor | None], masters: list[torch.Tensor]
-        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            return grad_buffers(grads, masters, st.spare_grads)
-
-        flags = native_unscale(lib, plan, inv, cast, buffers) if plan.usable else None
-        if flags is not None:
-            st.grads_cast = cast
-            st.found_inf = flags
-            st.unchecked = False
-            return
+    if check and st.local is None:
+        lay = layout(st, optimizer)
+        plan = lay.guard_plan
+        if plan is None:
+            plan = lay.guard_plan = GuardPlan(lay.pairs, optimizer, lay.model_of)
+        # only a CPU plan asks for the C library: a CUDA run never loads it
+        lib = clib.library() if plan.usable else None
+        if lib is not None:
+            scaled_now = scale is not None or scaler.enabled
+            inv = 1.0 / (scale if scale is not None else scaler.scale) if scaled_now else None
+            cast = scaled_now or not _fused(st, optimizer, lay)
+            spare = st.spare_grads
+            found = native_unscale(
+                lib, plan, inv, cast, lambda grads, masters: grad_buffers(grads, masters, spare)
+            )
+            if found is not None:
+                it.grads_cast = cast
+                it.found_inf = []
+                it.found_on_host = found
+                it.unchecked = False
+                return
     copy_grads_to_masters(st, optimizer)
     by_device = _grads_by_device(st, optimizer)
     scaled = scale is not None or scaler.enabled
@@ -186,16 +233,33 @@ def unscale(
     found_list = []
     with torch.no_grad():
         for device, per_dtype in by_device.items():
-            found = torch.zeros(1, dtype=torch.float32, device=device)
+            found_t = torch.zeros(1, dtype=torch.float32, device=device)
             if scaled:
                 inv_scale = torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
                 for grads in per_dtype.values():
-                    non_finite_check_and_unscale_(grads, found, inv_scale)
+                    non_finite_check_and_unscale_(grads, found_t, inv_scale)
             if check:
-                found.add_(_norm_overflow(per_dtype.values()))
-            found_list.append(found)
-    st.found_inf = found_list
-    st.unchecked = not check
+                found_t.add_(_norm_overflow(per_dtype.values()))
+            found_list.append(found_t)
+    it.found_inf = found_list
+    it.found_on_host = None
+    it.unchecked = not check
+
+
+def guard(st: OptimizerState, optimizer: torch.optim.Optimizer) -> bool:
+    """The guard pass of one optimizer of a round: its gradients unscaled and checked when
+    they are still scaled (:func:`unscale`), or, after ``unscale_``, the user's writes to the
+    model's gradients since taken into the masters' (a clip,
+    :func:`~mixprec_torch.step.model_edits.take_grad_edits`) and checked as they are now.
+    Returns whether it unscaled them."""
+    if st.tracker.needs_unscale:
+        unscale(st, optimizer)
+        return True
+    if st.iteration.unchecked:  # unscale_() ran: check the gradients as the user left them
+        lay = layout(st, optimizer)
+        take_grad_edits(st, lay.params, lay.masters)
+        check_grads(st, optimizer)
+    return False
 
 
 def check_grads(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
@@ -203,14 +267,15 @@ def check_grads(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
     fused float32 norm per (device, dtype); a flag is set when a gradient is inf or NaN *or*
     the sum of the squared norms overflows float32 (:mod:`mixprec.guard`: a finite but huge
     gradient would put inf into Adam's state or blow up the weights). The flags join
-    ``st.found_inf`` (on the device, no host sync)."""
+    the iteration's ``found_inf`` (on the device, no host sync)."""
     with torch.no_grad():
         flags = [
             _norm_overflow(per_dtype.values())
             for per_dtype in _grads_by_device(st, optimizer).values()
         ]
-    st.found_inf = [*st.found_inf, *flags]
-    st.unchecked = False
+    it = st.iteration
+    it.found_inf = [*it.found_inf, *flags]
+    it.unchecked = False
 
 
 def _grads_by_device(
@@ -269,9 +334,17 @@ def edited_since_check(
 
 
 def reduce_found_inf(
-    flags: list[torch.Tensor], device: str | torch.device, step: int | None = None
+    flags: list[torch.Tensor],
+    device: str | torch.device,
+    step: int | None = None,
+    *,
+    found: bool | None = None,
 ) -> bool:
     """Whether any flag, on any rank, saw an inf or NaN: the step's one host sync.
+
+    ``found`` is a verdict already on the host (the native guard pass's), None where there
+    is none. In a single process a True verdict decides without a sync, and without device
+    flags nothing is read.
 
     Every rank must make the same collective calls, or the ranks that call wait forever
     for the ones that do not. A rank whose optimizers hold no gradients this step (unused
@@ -279,64 +352,77 @@ def reduce_found_inf(
     still joins the all-reduce with a zero flag whenever ``torch.distributed`` runs several
     ranks.
     """
-    if not flags:
-        if not is_distributed():
-            return False
-        flags = [torch.zeros(1, dtype=torch.float32, device=device)]
-    found = (
+    if not is_distributed():
+        if found or not flags:
+            return bool(found)
+    else:
+        if found is not None:  # the native pass's verdict, as the CPU flag it stands for
+            flags = [*flags, torch.full((1,), float(found), dtype=torch.float32)]
+        if not flags:
+            flags = [torch.zeros(1, dtype=torch.float32, device=device)]
+    total = (
         flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum(0)
     )
-    return bool(all_reduce_found_inf(found, step=step).item())
+    return bool(all_reduce_found_inf(total, step=step).item())
 
 
 # ------------------------------------------------------------------ 5-8. the round and the step
 
 
 def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
-    """Unscale every optimizer of the group with a pending backward (3), reduce found_inf
-    (4), record overflows on a skip (8), update the scaler once (6)."""
+    """The guard pass of every optimizer of the group with a pending backward (3), found_inf
+    reduced (4), overflows recorded on a skip (8), the scaler updated once (6); each member's
+    iteration gets the decision."""
+    live = group.live_states()
     members: list[tuple[OptimizerState, torch.optim.Optimizer]] = []
-    for st in group.live_states():
+    for st in live:
         opt = st.optimizer()
-        if opt is None or st.round is not None:
+        if opt is None or st.iteration.round is not None:
             continue
         tracker = st.tracker
         if tracker.stage is Stage.UNSCALED or tracker.needs_unscale:
             members.append((st, opt))
     flags: list[torch.Tensor] = []
+    host: bool | None = None
     for st, opt in members:
-        if st.tracker.needs_unscale:
-            unscale(st, opt)
-            if opt is not optimizer:
-                st.tracker.on_unscale()
-                st.implicit_unscale = True
-        elif st.unchecked:  # unscale_() ran: check the gradients as the user left them
-            take_grad_edits(st, *copies(st, opt))
-            check_grads(st, opt)
+        it = st.iteration
+        if guard(st, opt) and opt is not optimizer:
+            st.tracker.on_unscale()
+            it.implicit_unscale = True
         if opt is not optimizer:  # it steps later: a write before its step() is checked then
-            st.checked = checked_grads(opt)
-        flags.extend(st.found_inf)
-    scope = group.scope([st for st, _ in members])
+            it.checked = checked_grads(opt)
+        flags.extend(it.found_inf)
+        if it.found_on_host is not None:
+            host = bool(host) or it.found_on_host
+    scope = group.scope([st for st, _ in members], live)
     guard_flags = [f for g in group.round_guards if (f := g.flag(scope)) is not None]
     step = group.scaler.steps
     if group.skip_each:  # one host sync per member for its own decision (GradScaler's)
         own = [
-            reduce_found_inf(st.found_inf + guard_flags, group.device, step) for st, _ in members
+            reduce_found_inf(
+                st.iteration.found_inf + guard_flags,
+                group.device,
+                step,
+                found=st.iteration.found_on_host,
+            )
+            for st, _ in members
         ]
         found_inf = any(own)  # the scale still updates once, from any member's overflow
     else:  # a NaN batch may poison BatchNorm with finite grads: the guards' flags join
-        found_inf = reduce_found_inf(flags + guard_flags, group.device, step)
+        found_inf = reduce_found_inf(flags + guard_flags, group.device, step, found=host)
         own = [found_inf] * len(members)
-    for guard in group.round_guards:  # before the update: a floor that raises still restores
-        guard.settle(found_inf, scope)
+    for round_guard in group.round_guards:  # before the update: a floor that raises restores
+        round_guard.settle(found_inf, scope)
     overflowing: tuple[str, ...] = ()
     if found_inf:  # before the update, so skip hooks can already ask which params overflowed
         overflowed = [m for m, o in zip(members, own, strict=True) if o]
         overflowing = record_overflows(step, overflowed)
     decision = Round(group.scaler.update(found_inf, overflowing))
     for (st, _), overflowed_here in zip(members, own, strict=True):
-        st.round = decision if overflowed_here == found_inf else Round(overflowed_here)
-        st.found_inf = []
+        it = st.iteration
+        it.round = decision if overflowed_here == found_inf else Round(overflowed_here)
+        it.found_inf = []
+        it.found_on_host = None
     return decision
 
 
@@ -348,7 +434,7 @@ def count_plain_backward(st: OptimizerState) -> bool:
     accounted for now.
     """
     tracker = st.tracker
-    if tracker.stage is Stage.UNSCALED or tracker.needs_unscale or st.round is not None:
+    if tracker.stage is Stage.UNSCALED or tracker.needs_unscale or st.iteration.round is not None:
         return True
     if tracker.stage is Stage.READY and not st.group.scaler.enabled:
         tracker.on_backward()
@@ -368,9 +454,11 @@ def _missing_scale_loss(st: OptimizerState) -> StepOrderError:
 
 def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     """The patched ``optimizer.step()``: evaluate the closure if one is given, join or open
-    the round, then skip or step (5) and copy the masters into the model (7)."""
+    the round, then skip or step (5) and copy the masters into the model (7); the iteration
+    ends either way (:func:`_end`)."""
     st = optimizer_state(self, "optimizer.step()")
-    if "found_inf" in vars(self) or "grad_scale" in vars(self):
+    attrs = vars(self)
+    if "found_inf" in attrs or "grad_scale" in attrs:
         raise _grad_scaler_driving(st, self)
     loss = None
     if closure is not None:
@@ -382,52 +470,70 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
         if tracker.stage is Stage.READY:
             raise _missing_scale_loss(st)
         tracker.on_step()  # raises the StepOrderError that names what is missing
-    if st.round is None:
-        open_round(st.group, self)  # sets st.round: the caller is always one of the round
-    # st.round, not the shared decision: under skip_each it is this optimizer's own
-    decision = st.round if st.round is not None else Round(False)
+    it = st.iteration
+    if it.round is None:
+        open_round(st.group, self)  # sets it.round: the caller is always one of the round
+    # its own round, not the shared decision: under skip_each it is this optimizer's own
+    decision = it.round
     tracker.on_step()
     try:
-        compensation = st.group.compensation
-        if not decision.skipped:
-            take_grad_edits(st, *copies(st, self))  # a clip of the model's grads since the round
-        if not decision.skipped and _written_since_check(st, self):
-            decision = Round(True)  # this optimizer's own skip; the scale is already updated
-        if not decision.skipped:
-            params, masters = copies(st, self)
-            if compensation is None:
-                refresh_edited_masters(st, params, masters)
-            elif compensation.fusable(self):
-                # one pass per tensor, no float32 working masters (torch's SGD/Adam/AdamW)
-                grads_cast = st.grads_cast
-                run_step_hooks(self, lambda: compensation.step_fused(self, master_grads=grads_cast))
-                return loss
-            else:
-                compensation.fill(self)  # float32 working masters: w + c (kahan) or w
-            if closure is None:
-                base_class(self).step(self)
-            else:
-                base_class(self).step(self, _reevaluating(st, self, closure, loss))  # type: ignore[call-arg]
-            if compensation is not None:
-                compensation.store(self)  # back into bfloat16 params, the residual or noise kept
-            else:
-                copy_masters_to_model(st, self)
+        if decision is None or not decision.skipped:
+            _update(st, self, closure, loss)
     finally:
-        tracker.on_update()
-        st.round = None
-        st.implicit_unscale = False
-        st.grad_marks = None
-        st.checked = None
-        if st.drop_master_grads:
-            _drop_master_grads(st, self)
-        st.grads_cast = False
+        _end(st, self)
     return loss
+
+
+def _update(
+    st: OptimizerState,
+    optimizer: torch.optim.Optimizer,
+    closure: Callable[[], Any] | None,
+    loss: Any,
+) -> None:
+    """The update of a step the round did not skip: unless a gradient was written since
+    another optimizer's round checked it and overflows now (this optimizer's own skip; the
+    scale is already updated), the user's weight edits are carried into the masters, the
+    optimizer's own update runs on them (or the compensated strategy's) and the masters are
+    copied into the model."""
+    if st.iteration.checked is not None and _written_since_check(st, optimizer):
+        return
+    lay = layout(st, optimizer)
+    compensation = st.group.compensation
+    if compensation is None:
+        refresh_edited_masters(st.group, lay)
+    elif _fused(st, optimizer, lay):
+        # one pass per tensor, no float32 working masters (torch's SGD/Adam/AdamW)
+        grads_cast = st.iteration.grads_cast
+        run_step_hooks(
+            optimizer, lambda: compensation.step_fused(optimizer, master_grads=grads_cast)
+        )
+        return
+    else:
+        compensation.fill(optimizer)  # float32 working masters: w + c (kahan) or w
+    if closure is None:
+        base_class(optimizer).step(optimizer)
+    else:
+        base_class(optimizer).step(optimizer, _reevaluating(st, optimizer, closure, loss))  # type: ignore[call-arg]
+    if compensation is not None:
+        compensation.store(optimizer)  # back into bfloat16 params, the residual or noise kept
+    else:
+        copy_masters_to_model(st, optimizer)
+
+
+def _end(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+    """The end of the iteration, taken or skipped: the tracker moves on, a fresh
+    :class:`Iteration` replaces this one, and under the apex shim the masters' gradients
+    are dropped."""
+    st.tracker.on_update()
+    st.iteration = Iteration()
+    if st.drop_master_grads:
+        _drop_master_grads(st, optimizer)
 
 
 def _drop_master_grads(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
     """Set the separate masters' gradients to None, keeping their memory for the next cast
     (:func:`~mixprec_torch.step.model_edits.keep_dropped_grads`)."""
-    masters = copies(st, optimizer)[1]
+    masters = layout(st, optimizer).masters
     held = held_grads(masters)
     for master in masters:
         master.grad = None
@@ -437,14 +543,16 @@ def _drop_master_grads(st: OptimizerState, optimizer: torch.optim.Optimizer) -> 
 def _written_since_check(st: OptimizerState, optimizer: torch.optim.Optimizer) -> bool:
     """Whether this optimizer, checked when another optimizer's ``step()`` opened the round,
     has gradients written since that are now inf/NaN or overflow (a clip or an edit between
-    the two steps). Checked on this rank alone: an all-reduce here would hang ranks that made
-    no such write, and DDP's gradients are the same on every rank anyway."""
-    kept, st.checked = st.checked, None
+    the two steps): a second guard pass over them. Checked on this rank alone: an all-reduce
+    here would hang ranks that made no such write, and DDP's gradients are the same on every
+    rank anyway."""
+    it = st.iteration
+    kept, it.checked = it.checked, None
     if kept is None or not edited_since_check(optimizer, kept):
         return False
-    st.found_inf = []
+    it.found_inf = []
     check_grads(st, optimizer)
-    return any(bool(flag.item()) for flag in st.found_inf)
+    return any(bool(flag.item()) for flag in it.found_inf)
 
 
 def _grad_scaler_driving(st: OptimizerState, optimizer: torch.optim.Optimizer) -> StepOrderError:
@@ -490,7 +598,7 @@ def _check_closure(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None
             "masters (master=kahan|stochastic) exist only inside one optimizer update, and a "
             "closure that re-runs the model (LBFGS) would read stale weights; " + fix
         )
-    if st.tracker.stage is not Stage.READY or st.round is not None:
+    if st.tracker.stage is not Stage.READY or st.iteration.round is not None:
         raise StepOrderError(
             "optimizer.step(closure) after unscale_ or with a step of the same round "
             "pending: the closure computes this step's gradients itself. Either call "
@@ -514,6 +622,7 @@ def _reevaluating(
     call; on every further call (LBFGS's line search) the masters are copied into the model,
     the closure runs again and its gradients are cast into the masters."""
     calls = 0
+    it = st.iteration
 
     def evaluate() -> Any:
         nonlocal calls
@@ -521,12 +630,12 @@ def _reevaluating(
         if calls == 1:
             return first
         copy_masters_to_model(st, optimizer)
-        st.reevaluating = True
+        it.reevaluating = True
         try:
             with torch.enable_grad():
                 loss = closure()
         finally:
-            st.reevaluating = False
+            it.reevaluating = False
         copy_grads_to_masters(st, optimizer)
         return loss
 
@@ -538,8 +647,8 @@ mark_step_hooked(step)  # torch's profiling wrapper is already inside the base c
 
 def copy_masters_to_model(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
     """Copy every separate master into its model parameter (one fused foreach copy)."""
-    params, masters = copies(st, optimizer)
-    if params:
+    lay = layout(st, optimizer)
+    if lay.params:
         with torch.no_grad():
-            foreach_copy_(params, masters)
-        mark_copied(st, params)
+            foreach_copy_(lay.params, lay.masters)
+        mark_copied(lay)
