@@ -58,7 +58,18 @@ def lazy_exports(
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
-        return sorted(set(vars(module)) | set(names) | set(submodules))
+        # with an __all__, the public face: its names, its submodules, the dunders (not the
+        # names the package imports for itself: lazy_exports, TYPE_CHECKING, annotations)
+        public = getattr(module, "__all__", None)
+        if public is None:
+            return sorted(set(vars(module)) | set(names) | set(submodules))
+        own = {
+            name
+            for name, value in vars(module).items()
+            if name.startswith("__")
+            or (isinstance(value, ModuleType) and value.__name__ == f"{package}.{name}")
+        }
+        return sorted(own | set(public) | set(submodules))
 
     return __getattr__, __dir__
 

@@ -19,25 +19,48 @@ from typing import Any
 
 from mixprec.engine.plugins import KNOWN_PLUGINS, list_backends, load_backend
 
-__all__ = ["BackendFacade", "find_spec"]
+__all__ = ["BackendFacade", "find_spec", "public_names"]
 
 PACKAGE = "mixprec"
 
 
+def public_names(module: ModuleType) -> list[str]:
+    """The public names of a backend's api module: its ``__all__``; without one, the names
+    its ``dir()`` lists that are neither private, nor modules, nor ``typing`` helpers."""
+    names = getattr(module, "__all__", None)
+    if names is not None:
+        return sorted(str(name) for name in names)
+    return sorted(
+        name
+        for name in dir(module)
+        if not name.startswith("_")
+        and name not in ("TYPE_CHECKING", "annotations")
+        and not isinstance(vars(module).get(name), ModuleType)
+    )
+
+
 class BackendFacade(ModuleType):
-    """The module ``mixprec.<backend>``: attribute access goes to the backend's api module."""
+    """The module ``mixprec.<backend>``: attribute access goes to the backend's api module.
+
+    ``__all__`` and ``dir()`` are the backend's public names (:func:`public_names`), so
+    ``from mixprec.torch import *`` and tab completion see ``wrap``, ``scale_loss``... and
+    not the api module's own plumbing (``lazy_exports``, ``plugin``, ``TYPE_CHECKING``).
+    """
 
     def __init__(self, name: str, backend: str) -> None:
         super().__init__(name, f"Facade for the {backend} backend: see mixprec.engine.facades.")
         self.BACKEND = backend
 
     def __getattr__(self, name: str) -> Any:
+        if name == "__all__":  # `from mixprec.torch import *`, computed once the backend loads
+            return public_names(load_backend(self.BACKEND))
         if name.startswith("__"):  # module protocol probes (__path__, __wrapped__, ...)
             raise AttributeError(name)
         return getattr(load_backend(self.BACKEND), name)
 
     def __dir__(self) -> list[str]:
-        return sorted(set(vars(self)) | set(dir(load_backend(self.BACKEND))))
+        own = {name for name in vars(self) if name.startswith("__")}
+        return sorted(own | {"BACKEND", "__all__"} | set(public_names(load_backend(self.BACKEND))))
 
 
 class _FacadeLoader(importlib.abc.Loader):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +110,36 @@ def test_facade_of_a_known_plugin_that_is_missing_names_the_extra() -> None:
     assert out.startswith("BackendNotAvailable"), out
     assert "mixprec-jax plugin, which is not installed" in out
     assert "pip install 'mixprec[jax]'" in out
+
+
+#: What a package imports for itself, never part of its public face.
+PLUMBING = {"lazy_exports", "plugin", "TYPE_CHECKING", "annotations"}
+
+
+@pytest.mark.parametrize("backend", ["torch", "mxnet", "numpy"])
+def test_star_import_and_dir_see_the_backends_public_names(backend: str) -> None:
+    """``from mixprec.<backend> import *`` and tab completion (``dir``), in a fresh process
+    as a user meets them: the backend's ``__all__``, none of its plumbing."""
+    api = f"mixprec_{backend}"
+    if importlib.util.find_spec(api) is None or importlib.util.find_spec(backend) is None:
+        pytest.skip(f"the {backend} backend is not installed here")
+    script = (
+        "import json, mixprec, importlib\n"
+        f"facade = importlib.import_module('mixprec.{backend}')\n"
+        "names = {}\n"
+        f"exec('from mixprec.{backend} import *', names)\n"
+        f"api = importlib.import_module('{api}')\n"
+        "star = sorted(n for n in names if not n.startswith('__'))\n"
+        "shown = [n for n in dir(facade) if not n.startswith('_')]\n"
+        "print(json.dumps({'all': facade.__all__, 'star': star, 'dir': shown,\n"
+        "    'api_all': sorted(api.__all__), 'api_dir': dir(api)}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    ).stdout
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["all"] == seen["api_all"] == seen["star"]
+    assert set(seen["dir"]) == {*seen["api_all"], "BACKEND"}
+    assert not PLUMBING & (set(seen["star"]) | set(seen["dir"]))
+    # the package itself lists its real submodules (plugin), not the names it imports
+    assert not (PLUMBING - {"plugin"}) & set(seen["api_dir"])
