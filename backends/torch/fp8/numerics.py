@@ -9,7 +9,13 @@ probed once per device) and else by *exact emulation*: the dequantised operands
 the tensor cores accumulate differently (the quantised operands are the same).
 
 Everything here is plain tensor code, with no data-dependent Python branch, so that
-``torch.compile`` traces it in one graph.
+``torch.compile`` traces it in one graph (the branches on an empty operand read its shape,
+which a compiled graph guards on).
+
+**Empty operands** (a batch of zero rows, and so a weight gradient reduced over zero rows)
+quantise to empty FP8 tensors with a scale of 1, and their GEMMs give the empty output, or
+the zero gradient, that a float32 GEMM gives. An empty tensor has no amax: its amax is
+-1, "did not run", so the delayed recipe's histories never record one for it.
 """
 
 from __future__ import annotations
@@ -86,7 +92,8 @@ def _quantise_blocks(x: torch.Tensor, fmt: str, dim: int) -> Quantised:
     length = moved.shape[-1]
     pad = -length % MX_BLOCK
     padded = F.pad(moved, (0, pad)) if pad else moved
-    blocks = padded.reshape(*padded.shape[:-1], -1, MX_BLOCK)
+    # the block count spelt out: with no element at all, -1 would be ambiguous
+    blocks = padded.reshape(*padded.shape[:-1], padded.shape[-1] // MX_BLOCK, MX_BLOCK)
     exponent = _mx_exponent(blocks.abs().amax(dim=-1, keepdim=True), fmt).float()
     scale = torch.exp2(-exponent)
     q = _round(blocks * scale, fmt)  # exact: a power of two
@@ -103,9 +110,10 @@ def quantise_tensor(
     x: torch.Tensor, fmt: str, recipe: str, scale: torch.Tensor | None = None
 ) -> tuple[Quantised, torch.Tensor]:
     """``x`` in ``fmt`` with one scale (tensorwise, or delayed's ``scale``: a float32 scalar
-    tensor, 0 meaning no history yet, so the tensor's own amax scales it), and its amax."""
+    tensor, 0 meaning no history yet, so the tensor's own amax scales it), and its amax
+    (-1 for an empty ``x``: nothing ran, nothing for a history)."""
     x32 = x.float()
-    amax = x32.abs().amax()
+    amax = x32.abs().amax() if x32.numel() else x32.new_full((), -1.0)
     s = tensor_scale(amax, fmt)
     if scale is not None and recipe == "delayed":
         s = torch.where(scale > 0, scale, s)
@@ -124,9 +132,19 @@ def quantise(
         return _quantise_blocks(x.float(), fmt, dim)
     if recipe == "rowwise":
         x32 = x.float()
-        s = tensor_scale(x32.abs().amax(dim=dim, keepdim=True), fmt)
+        s = tensor_scale(_row_amax(x32, dim), fmt)
         return Quantised(_round(x32 * s, fmt), torch.reciprocal(s), s)
     return quantise_tensor(x, fmt, recipe, scale)[0]
+
+
+def _row_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The amax of each row along ``dim`` (kept as a dimension of 1); 0, which scales by 1,
+    for rows of no element (torch refuses to reduce an empty dimension)."""
+    if x.shape[dim]:
+        return x.abs().amax(dim=dim, keepdim=True)
+    shape = list(x.shape)
+    shape[dim] = 1
+    return x.new_zeros(shape)
 
 
 def dequantise(quantised: Quantised) -> torch.Tensor:
@@ -181,6 +199,9 @@ def _native(a: Quantised, b: Quantised, out: torch.dtype) -> torch.Tensor:
 
 
 def _fits_native(a: Quantised, b: Quantised) -> bool:
+    # an empty GEMM (a batch of no rows) is emulated: its product is empty, or zero
+    if 0 in (*a.q.shape, b.q.shape[0]):
+        return False
     # CUDA's FP8 kernels need every dimension to be a multiple of 16
     if a.q.device.type != "cuda":
         return True
