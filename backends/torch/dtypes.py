@@ -8,6 +8,7 @@ mode asks for the dtype of every floating input) stays cheap.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "dtype_name",
     "holds_wide_float",
     "is_floating",
+    "refuse_complex",
     "torch_dtype",
 ]
 
@@ -59,6 +61,40 @@ def dtype_name(dtype: torch.dtype) -> str:
         return _FROM_TORCH[dtype]
     except KeyError:
         return canonical_dtype(str(dtype))
+
+
+def refuse_complex(optimizers: Iterable[Any], names: dict[int, Any]) -> None:
+    """Refuse complex parameters in the optimizers ``wrap`` takes, naming each and the fix.
+
+    mixprec's step (the overflow check, the loss-scale unscaling, float32 masters, the
+    compensated updates) is written for real floating dtypes; a complex parameter used to
+    fail deep inside with "unknown dtype 'torch.complex64'", naming neither it nor a way on.
+
+    :param names: ``id(param)`` -> its name, or ``(name, param)`` as ``wrap`` gathers them.
+    :raises UnsupportedDtypeError: an optimizer holds a complex parameter.
+    """
+    found: dict[int, str] = {}
+    for optimizer in optimizers:
+        for group in getattr(optimizer, "param_groups", ()):
+            for param in group.get("params", ()):
+                if isinstance(param, torch.Tensor) and param.is_complex():
+                    named = names.get(id(param), "an unnamed parameter")
+                    name = named[0] if isinstance(named, tuple) else str(named)
+                    found.setdefault(id(param), f"{name} ({param.dtype})")
+    if not found:
+        return
+    shown = ", ".join(list(found.values())[:8])
+    more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+    raise UnsupportedDtypeError(
+        f"complex parameters cannot be stepped by mixprec: {shown}{more} "
+        f"{'is' if len(found) == 1 else 'are'} in the optimizer given to wrap, and mixprec's "
+        "step (overflow check, loss-scale unscaling, float32 masters) is for real floating "
+        "dtypes. Step them with an optimizer of their own that wrap does not take (wrap the "
+        "optimizer of the real parameters only) under a policy without loss scaling (O0, "
+        "O1-bf16, O2-bf16, O3-bf16: under a loss-scaled one their gradients stay scaled), or "
+        "keep each as a real tensor (torch.view_as_real) and take torch.view_as_complex of it "
+        "in forward"
+    )
 
 
 def is_floating(dtype: torch.dtype) -> bool:

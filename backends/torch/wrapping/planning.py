@@ -43,7 +43,7 @@ from mixprec.kit import (
 
 from ..copies import CopyOnly
 from ..devices import capabilities, device_capability
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, refuse_complex
 from ..fp8.layers import FP8Layers, plan_fp8
 from ..o1.autocast import OpCasting
 from ..o1.autocast_kernels import foreign
@@ -121,6 +121,7 @@ def check_arguments(
         for name, param in model.named_parameters(remove_duplicate=False):
             params.setdefault(id(param), (prefix + name, param))
     _check_optimizers(optimizers, params)
+    refuse_complex(optimizers, params)
     return params
 
 
