@@ -81,13 +81,16 @@ class LossScaler:
         """
         return self.state.enabled
 
-    def update(self, found_inf: bool, overflowing: Sequence[str] = ()) -> bool:
+    def update(
+        self, found_inf: bool, overflowing: Sequence[str] = (), rank: int | None = None
+    ) -> bool:
         """Advance the state by one step; return True when that step must be skipped.
 
         ``found_inf`` (a gradient was inf/NaN or the squared gradient norm overflowed
         float32, see :mod:`mixprec.numerics.guard`) must already be reduced across every rank and
         every optimizer of the group, so they all skip together. ``overflowing`` names the
-        parameters that overflowed, for the repeated-skip warning (:attr:`watch`). A
+        parameters that overflowed, and ``rank`` this process's rank in a run of several ranks
+        (None in a run of one), for the repeated-skip warning (:attr:`watch`). A
         :class:`~mixprec.errors.LossScaleError` from a ``DynamicScale(on_floor="raise")`` at
         its floor propagates and leaves the scaler as it was before the call.
         """
@@ -108,7 +111,7 @@ class LossScaler:
                 emit_scale_event(event, step)
             if skipped:
                 emit_step_skipped(step, ran_with)
-        self.watch.observe(step, skipped, overflowing, f"loss scale {ran_with:g}")
+        self.watch.observe(step, skipped, overflowing, f"loss scale {ran_with:g}", rank)
         return skipped
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,12 +14,19 @@ is NaN or inf when any element is), keep the flag on the device and read it with
 one host sync. This module holds what is framework-free: :class:`StepGuard`, the user's
 configuration, and :class:`SkipWatch`, which counts skips in a row and warns
 (:class:`RepeatedSkipWarning`) with the step numbers and the parameters that overflowed.
+
+The warning points at the user's line, not mixprec's: :func:`user_stacklevel` walks the
+frames out of mixprec's packages (:data:`MIXPREC_PACKAGES`) and the framework code a call
+passes through on its way in (a with-statement's exit, torch's optimizer-step wrapper).
+Python 3.12's ``warnings.warn(skip_file_prefixes=...)`` would do it by file name; mixprec
+supports 3.10, so it walks the frames itself.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,10 +34,59 @@ from typing import Any
 
 from mixprec.errors import MixprecWarning, PolicyError
 
-__all__ = ["NORM_LIMIT", "RepeatedSkipWarning", "SkipWatch", "StepGuard"]
+__all__ = [
+    "MIXPREC_PACKAGES",
+    "NORM_LIMIT",
+    "RepeatedSkipWarning",
+    "SkipWatch",
+    "StepGuard",
+    "user_stacklevel",
+]
 
 #: The largest global gradient norm a step may have: its square is float32's largest value.
 NORM_LIMIT = math.sqrt(3.4028234663852886e38)
+
+
+#: mixprec's packages: the core, the backends and the plugins. A warning raised inside them
+#: points at the first line outside.
+MIXPREC_PACKAGES = ("mixprec", "mixprec_torch", "mixprec_mxnet", "mixprec_numpy", "mixprec_jax")
+
+#: Code a call from the user's line into mixprec passes through: a with-statement's exit
+#: (``contextlib``), the frameworks' own wrappers (torch's optimizer-step hook wrapper),
+#: the trainers that drive a loop (Lightning, Accelerate).
+_PASSED_THROUGH = frozenset(
+    {
+        "contextlib",
+        "torch",
+        "mxnet",
+        "numpy",
+        "jax",
+        "jaxlib",
+        "lightning",
+        "lightning_fabric",
+        "pytorch_lightning",
+        "accelerate",
+    }
+)
+
+
+def _inside(frame: Any) -> bool:
+    root = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+    return root in MIXPREC_PACKAGES or root in _PASSED_THROUGH
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the calling function that makes the
+    warning point at the user's line: the first frame, walking out from the caller, that is
+    neither in mixprec's packages (:data:`MIXPREC_PACKAGES`) nor in the framework code the
+    call came through. Where every frame is (a script run by ``python -m mixprec``), the
+    outermost."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and _inside(frame):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class RepeatedSkipWarning(MixprecWarning):
@@ -124,13 +180,24 @@ class SkipWatch:
         """How many of the latest steps were skipped, in a row."""
         return len(self.run)
 
-    def observe(self, step: int, skipped: bool, params: Sequence[str] = (), what: str = "") -> None:
+    def observe(
+        self,
+        step: int,
+        skipped: bool,
+        params: Sequence[str] = (),
+        what: str = "",
+        rank: int | None = None,
+    ) -> None:
         """Note one step; warn when the run of skips reaches a multiple of ``warn_after``.
+
+        The warning points at the user's line (:func:`user_stacklevel`).
 
         :param step: the step's 0-based index (the scaler's ``steps`` before its update).
         :param skipped: whether it was skipped.
         :param params: on a skip, the names of the parameters whose gradients overflowed.
         :param what: the policy and loss scale, for the message.
+        :param rank: this process's rank in a run of several ranks, None in a run of one;
+            the message names it (and another rank's overflow as a cause) only when given.
         """
         if not skipped:
             self.run.clear()
@@ -138,10 +205,11 @@ class SkipWatch:
         self.run.append((step, tuple(params)))
         every = self.guard.warn_after
         if every and len(self.run) % every == 0:
-            warnings.warn(self.message(what), RepeatedSkipWarning, stacklevel=4)
+            text = self.message(what, rank)
+            warnings.warn(text, RepeatedSkipWarning, stacklevel=user_stacklevel())
 
-    def message(self, what: str = "") -> str:
-        """The warning text for the current run of skips."""
+    def message(self, what: str = "", rank: int | None = None) -> str:
+        """The warning text for the current run of skips (``rank``: see :meth:`observe`)."""
         recent = self.run[-self.guard.warn_after :] if self.guard.warn_after else self.run
         steps = [step for step, _ in recent]
         by_param: dict[str, list[int]] = {}
@@ -153,12 +221,16 @@ class SkipWatch:
             params = "; ".join(f"{name} (steps {_spans(s)})" for name, s in shown)
             if len(by_param) > len(shown):
                 params += f"; and {len(by_param) - len(shown)} more"
+        elif rank is not None:
+            params = f"none in rank {rank}'s gradients (another rank overflowed, or a "
+            params += "BatchNorm running statistic became inf or NaN)"
         else:
-            params = "none in this rank's gradients (another rank overflowed, or a BatchNorm "
-            params += "running statistic became inf or NaN)"
+            params = "none named (a BatchNorm running statistic or an FP8 amax became inf or "
+            params += "NaN, or the overflow was found before the gradients were checked one by one)"
         under = f" under {what}" if what else ""
+        where = f" on rank {rank}" if rank is not None else ""
         return (
-            f"mixprec skipped {len(self.run)} steps in a row{under} (the latest: steps "
+            f"mixprec skipped {len(self.run)} steps in a row{under}{where} (the latest: steps "
             f"{_spans(steps)}): their gradients held an inf or NaN, or their squared norm "
             f"overflowed float32 (norm > {NORM_LIMIT:.3g}). Overflowing parameters: {params}. "
             "The weights, masters and optimizer state are unchanged, but training is not "

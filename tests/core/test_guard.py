@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -140,8 +141,55 @@ def test_the_message_names_eight_parameters_and_counts_the_rest() -> None:
 def test_the_message_of_a_skip_without_named_parameters_says_why() -> None:
     watch = SkipWatch(StepGuard(warn_after=1))
     with pytest.warns(RepeatedSkipWarning, match="another rank overflowed.*BatchNorm"):
-        watch.observe(4, True)
+        watch.observe(4, True, rank=3)
     assert "(the latest: steps 4)" in watch.message()
+    assert "in a row on rank 3 " in watch.message(rank=3)
+    assert "none in rank 3's gradients" in watch.message(rank=3)
+
+
+def test_a_run_of_one_rank_blames_no_other_rank() -> None:
+    """Issue 37: "another rank overflowed" in a single-process run."""
+    watch = SkipWatch(StepGuard(warn_after=1))
+    with pytest.warns(RepeatedSkipWarning) as caught:
+        watch.observe(4, True)
+    text = str(caught[0].message)
+    assert "rank" not in text and "none named (a BatchNorm running statistic" in text
+    with pytest.warns(RepeatedSkipWarning) as caught:
+        watch.observe(5, True, ["fc.weight"])
+    assert "rank" not in str(caught[0].message)
+    with pytest.warns(RepeatedSkipWarning) as caught:
+        watch.observe(6, True, ["fc.weight"], rank=0)
+    assert "in a row on rank 0 (the latest" in str(caught[0].message)
+
+
+def test_the_warning_points_at_the_users_line() -> None:
+    """Issue 37: it pointed at mixprec's own lines (``stacklevel=4`` from the watch)."""
+    scaler = LossScaler(NoScale(), guard=StepGuard(warn_after=3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            scaler.update(True)  # the user's line
+    (warned,) = caught
+    line = inspect.getsourcelines(test_the_warning_points_at_the_users_line)
+    lineno = line[1] + next(i for i, t in enumerate(line[0]) if "# the user's line" in t)
+    assert (warned.filename, warned.lineno) == (__file__, lineno)
+
+
+def test_user_stacklevel_walks_out_of_every_mixprec_package() -> None:
+    from mixprec.numerics.guard import MIXPREC_PACKAGES, user_stacklevel
+
+    assert MIXPREC_PACKAGES == (
+        "mixprec", "mixprec_torch", "mixprec_mxnet", "mixprec_numpy", "mixprec_jax",
+    )  # fmt: skip
+    source = "def call(inner):\n    return inner()\n"
+    levels = {}
+    for package in (*MIXPREC_PACKAGES, "contextlib", "torch", "my_training_code"):
+        scope: dict[str, object] = {"__name__": f"{package}.module"}
+        exec(compile(source, f"<{package}>", "exec"), scope)
+        call = scope["call"]
+        levels[package] = call(user_stacklevel)  # type: ignore[operator]
+    # the helper's caller is the fake module's frame: 1 outside mixprec, 2 (its caller) inside
+    assert levels == {**dict.fromkeys(levels, 2), "my_training_code": 1}
 
 
 def test_the_warning_repeats_at_each_multiple_and_only_the_latest_run_is_listed() -> None:
