@@ -55,7 +55,7 @@ from ..cpu.noise import Stream, flat_slices, round_stochastic_
 from ..torch_private import foreach_copy_
 from .fused_update import KAHAN as FUSED_KAHAN
 from .fused_update import STOCHASTIC as FUSED_STOCHASTIC
-from .fused_update import FusedParam, fusable, run
+from .fused_update import FusedParam, fusable_options, fusable_params, run
 from .state_rounding import StateRounding
 
 __all__ = ["Compensation"]
@@ -185,9 +185,15 @@ class Compensation:
         found = self._fused.get(id(master))
         return None if found is None else found[0]
 
-    def fusable(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether this step of ``optimizer`` takes the fused path."""
-        return fusable(optimizer, self._lookup)
+    def fusable_params(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether every parameter of ``optimizer`` can take the fused path (the step asks
+        once per layout of its groups)."""
+        return fusable_params(optimizer, self._lookup)
+
+    def fusable_options(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s class and group options take the fused path (the step
+        asks once per step)."""
+        return fusable_options(optimizer)
 
     def model_grad(self, master: torch.Tensor) -> torch.Tensor | None:
         """The gradient of the model parameter behind a compensated master (None if none)."""
@@ -196,7 +202,8 @@ class Compensation:
 
     @_eagerly
     def step_fused(self, optimizer: torch.optim.Optimizer, *, master_grads: bool) -> None:
-        """The fused update of ``optimizer``'s parameters (where :meth:`fusable`).
+        """The fused update of ``optimizer``'s parameters (where :meth:`fusable_params` and
+        :meth:`fusable_options`).
 
         :param master_grads: the masters' gradients hold this step's gradients (``unscale``
             cast them); otherwise the pass reads the model's bfloat16 gradients.
@@ -207,7 +214,7 @@ class Compensation:
                 return master.grad
             return found.weight.grad
 
-        # fusable() admits CPU parameters only: the CPU's flat (if any) holds them all
+        # fusable_params() admits CPU parameters only: the CPU's flat (if any) holds them all
         cpu = [d for d, flat in enumerate(self.flats) if flat.comp.device.type == "cpu"]
         stream = self.streams[cpu[0]] if cpu else Stream(self.seed)
         for flat in self.flats:

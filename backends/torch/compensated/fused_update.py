@@ -40,7 +40,7 @@ from ..cpu.noise import round_stochastic_
 from ..step.optimizer_state import base_class
 from ..torch_private import foreach_add_
 
-__all__ = ["FusedParam", "fusable", "run"]
+__all__ = ["FusedParam", "fusable", "fusable_options", "fusable_params", "run"]
 
 _SGD, _ADAM = 0, 1
 PLAIN, KAHAN, STOCHASTIC = 0, 1, 2
@@ -86,11 +86,18 @@ def _is_cpu_float(t: torch.Tensor, dtype: torch.dtype) -> bool:
 def fusable(
     optimizer: torch.optim.Optimizer, lookup: Callable[[torch.Tensor], FusedParam | None]
 ) -> bool:
-    """Whether every parameter group of ``optimizer`` can take the fused update.
+    """Whether every parameter group of ``optimizer`` can take the fused update: its options
+    (:func:`fusable_options`) and its parameters (:func:`fusable_params`).
 
     :param lookup: the compensated view of a parameter of the optimizer (a master), None for
         a parameter the strategy does not handle (which must then be a float32 CPU tensor).
     """
+    return fusable_options(optimizer) and fusable_params(optimizer, lookup)
+
+
+def fusable_options(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's class and every parameter group's options take the fused
+    update (one look per group: the step asks every time, as options may change)."""
     algo = _ALGOS.get(base_class(optimizer))
     if algo is None:
         return False
@@ -103,6 +110,22 @@ def fusable(
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.device.type != "cpu"):
             return False
+    return True
+
+
+def fusable_params(
+    optimizer: torch.optim.Optimizer, lookup: Callable[[torch.Tensor], FusedParam | None]
+) -> bool:
+    """Whether every parameter of the optimizer's class and groups can take the fused
+    update: a weight the strategy handles is a contiguous CPU tensor, any other parameter a
+    contiguous float32 CPU one (a walk over every parameter: the step asks once per layout
+    of the groups, :attr:`mixprec_torch.step.optimizer_state.Layout.fusable`).
+
+    :param lookup: as for :func:`fusable`.
+    """
+    if base_class(optimizer) not in _ALGOS:
+        return False
+    for group in optimizer.param_groups:
         for master in group["params"]:
             found = lookup(master)
             if found is None:

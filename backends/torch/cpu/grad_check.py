@@ -134,11 +134,11 @@ def native_unscale(
     inv_scale: float | None,
     cast: bool,
     buffers: Buffers,
-) -> list[torch.Tensor] | None:
-    """Unscale and check the optimizer's gradients in one native pass. Returns the overflow
-    flags (one float32 CPU tensor, nonzero on overflow; none when no parameter has a
-    gradient), or None when the pass cannot take them (a gradient that is sparse or not
-    contiguous): the caller then takes the torch path (nothing was written).
+) -> bool | None:
+    """Unscale and check the optimizer's gradients in one native pass. Returns whether a
+    gradient overflowed (False when no parameter has a gradient), a verdict on the host, or
+    None when the pass cannot take them (a gradient that is sparse or not contiguous): the
+    caller then takes the torch path (nothing was written).
 
     :param plan: the optimizer's :class:`GuardPlan` (``usable``).
     :param inv_scale: multiply by this (loss scaling), or None.
@@ -175,12 +175,14 @@ def native_unscale(
         present = src
     sources = src_plain + present
     if not sources:
-        return []
-    src_ptrs = array.array("Q", map(_DATA_PTR, sources))
+        return False
+    src_ptrs = array.array("Q", list(map(_DATA_PTR, sources)))
     # an in-place unscale writes where it reads: the plain sources' addresses again
     dst_ptrs = src_ptrs[: len(src_plain)] if scaled else array.array("Q", bytes(8 * len(src_plain)))
     dst_ptrs.extend(
-        array.array("Q", map(_DATA_PTR, dst)) if cast else array.array("Q", bytes(8 * len(present)))
+        array.array("Q", list(map(_DATA_PTR, dst)))
+        if cast
+        else array.array("Q", bytes(8 * len(present)))
     )
     if picked is None:
         starts, sdt, ddt = plan.arrays(cast, scaled, None, None)
@@ -188,5 +190,4 @@ def native_unscale(
         numel = [[*plan.plain_numel, *plan.model_numel][i] for i in picked]
         starts, sdt, ddt = plan.arrays(cast, scaled, picked, numel)
     total = clib.guard_pass(lib, src_ptrs, dst_ptrs, starts, sdt, ddt, inv_scale)
-    overflow = not total <= FLOAT32_MAX  # NaN (a NaN gradient) fails the comparison too
-    return [torch.ones(1) if overflow else torch.zeros(1)]
+    return not total <= FLOAT32_MAX  # NaN (a NaN gradient) fails the comparison too

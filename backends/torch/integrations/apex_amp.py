@@ -242,7 +242,7 @@ def _exit(
         # model grads -> float32 master grads, / scale; the loss's scaler hears of an inf or
         # NaN now (apex), the guard's norm check runs at the step, after any clip or edit
         unscale(st, opt, scale=scaler.scale, check=False)
-        flags.extend(st.found_inf)
+        flags.extend(st.iteration.found_inf)
     found = reduce_found_inf(flags, states[0].group.device)
     scaler.update(found)
     for st, opt, saved in zip(states, opts, stashes, strict=True):
@@ -253,8 +253,9 @@ def _exit(
         info = _OPTS.setdefault(opt, _OptAmp())
         info.scaled = False
         info.overflowed = info.overflowed or found
-        device = st.found_inf[0].device if st.found_inf else torch.device(st.group.device)
-        st.found_inf = [torch.full((1,), float(info.overflowed), device=device)]
+        found_inf = st.iteration.found_inf
+        device = found_inf[0].device if found_inf else torch.device(st.group.device)
+        st.iteration.found_inf = [torch.full((1,), float(info.overflowed), device=device)]
         if st.tracker.stage is Stage.READY:
             st.tracker.on_unscale()
 

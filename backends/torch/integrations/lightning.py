@@ -313,7 +313,7 @@ class MixprecPrecision(Precision):
             if tracker.stage is Stage.READY and tracker.backwards == 0:
                 tracker.on_backward()
             self._claimed[id(opt)] = self._backwards
-        elif tracker.backwards == 0 and st.round is None:
+        elif tracker.backwards == 0 and st.iteration.round is None:
             raise StepOrderError(
                 "the optimizer is stepping (or clipping) with no backward pass since its last "
                 "step; call self.manual_backward(loss) before opt.step() in training_step"

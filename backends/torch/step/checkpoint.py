@@ -33,7 +33,7 @@ from mixprec.kit import LossScaler, MasterWeights, Policy, atomic_path
 
 from ..copies import CopyOnly
 from ..torch_private import load_strict, tensor_version
-from .optimizer_state import StepCompensation, base_class
+from .optimizer_state import Iteration, StepCompensation, base_class
 
 __all__ = [
     "ModelCheckpoint",
@@ -362,8 +362,7 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
             st.group.fp8.load_state_dict(extra["fp8"])
         st.tracker.reset()
         st.tracker.steps = steps
-        st.round = None
-        st.found_inf = []
+        st.iteration = Iteration()  # what the step in progress had found no longer applies
 
 
 _HINT = "save it with optimizer.state_dict() of an optimizer wrapped by mixprec.torch.wrap"

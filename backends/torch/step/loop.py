@@ -17,7 +17,7 @@ from mixprec.kit import MixprecState
 
 from .model_edits import expose_unscaled_grads
 from .optimizer_state import OptimizerState, optimizer_state
-from .protocol import copies, count_plain_backward, scaled_loss, unscale
+from .protocol import count_plain_backward, layout, scaled_loss, unscale
 
 __all__ = ["master_params", "scale_loss", "state", "unscale_"]
 
@@ -54,12 +54,12 @@ def scale_loss(loss: torch.Tensor, optimizers: Any) -> Iterator[torch.Tensor]:
         )
     if not isinstance(loss, torch.Tensor):
         raise WrapError(f"scale_loss needs the loss as a tensor, got {type(loss).__name__}")
-    if any(st.reevaluating for st in states):
+    if any(st.iteration.reevaluating for st in states):
         # inside step(closure), LBFGS re-evaluating: the backward belongs to that step
         yield scaled_loss(loss, group)
         return
     for st in states:
-        if st.round is not None:
+        if st.iteration.round is not None:
             raise StepOrderError(
                 "scale_loss: this optimizer's gradients from the previous backward pass were "
                 "already unscaled and checked by the step() of another optimizer of the same "
@@ -93,14 +93,16 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
     once per step, after the last backward pass; ``step()`` then does not unscale again.
     """
     st = optimizer_state(optimizer, "unscale_")
-    if st.round is not None and st.implicit_unscale:
-        st.implicit_unscale = False  # another optimizer's step() already unscaled these
+    it = st.iteration
+    if it.round is not None and it.implicit_unscale:
+        it.implicit_unscale = False  # another optimizer's step() already unscaled these
         return
     count_plain_backward(st)  # no loss scaling: a plain loss.backward() is enough
     st.tracker.on_unscale()
     unscale(st, optimizer, check=False)  # the step checks, after any clip or edit since
     if st.local is None:  # FSDP2 keeps no separate masters
-        expose_unscaled_grads(st, *copies(st, optimizer))
+        lay = layout(st, optimizer)
+        expose_unscaled_grads(st, lay.params, lay.masters)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

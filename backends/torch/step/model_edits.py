@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..torch_private import foreach_copy_, sole_owner, tensor_version, tensor_versions
-from .optimizer_state import OptimizerState, SpareGrad, WrapGroup
+from .optimizer_state import Layout, OptimizerState, SpareGrad, WrapGroup
 
 __all__ = [
     "cast_grads_into",
@@ -53,37 +53,38 @@ def record_param_versions(group: WrapGroup, params: list[torch.Tensor]) -> None:
     group.param_versions.update(zip(map(id, params), tensor_versions(params), strict=True))
 
 
-def refresh_edited_masters(
-    st: OptimizerState, params: list[torch.Tensor], masters: list[torch.Tensor]
-) -> int:
-    """Copy into its master every model parameter written since mixprec last wrote it, unless
-    it still holds its master's rounded value; return how many masters took a new value.
+def refresh_edited_masters(group: WrapGroup, lay: Layout) -> int:
+    """Copy into its master every model parameter of ``lay`` written since mixprec last wrote
+    it, unless it still holds its master's rounded value; return how many masters took a new
+    value.
 
     The common case (nothing edited) is one list of counters compared with the list kept
-    after the last master copy; the wrap-time record serves until the first step.
+    after the last master copy (:attr:`Layout.versions`); the wrap-time record serves until
+    the first step of the layout.
     """
+    params = lay.params
     now = tensor_versions(params)
-    kept = st.param_versions
+    kept = lay.versions
     if kept == now:
         return 0
     marks: list[int | None] = list(kept) if kept is not None and len(kept) == len(now) else []
     if not marks:
-        marks = [st.group.param_versions.get(id(p)) for p in params]
+        marks = [group.param_versions.get(id(p)) for p in params]
     refreshed = 0
     with torch.no_grad():
-        for param, master, mark, version in zip(params, masters, marks, now, strict=True):
+        for param, master, mark, version in zip(params, lay.masters, marks, now, strict=True):
             if mark == version:
                 continue
             if param.shape == master.shape and not torch.equal(master.to(param.dtype), param):
                 master.copy_(param)
                 refreshed += 1
-    st.param_versions = now
+    lay.versions = now
     return refreshed
 
 
-def mark_copied(st: OptimizerState, params: list[torch.Tensor]) -> None:
+def mark_copied(lay: Layout) -> None:
     """After the master copy: the counters a later user edit will move."""
-    st.param_versions = tensor_versions(params)
+    lay.versions = tensor_versions(lay.params)
 
 
 def expose_unscaled_grads(
@@ -101,7 +102,7 @@ def expose_unscaled_grads(
         with torch.no_grad():
             foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
     grads = [p.grad for p in params]
-    st.grad_marks = (grads, tensor_versions([g for g in grads if g is not None]))
+    st.iteration.grad_marks = (grads, tensor_versions([g for g in grads if g is not None]))
 
 
 def take_grad_edits(
@@ -109,7 +110,8 @@ def take_grad_edits(
 ) -> None:
     """Copy every model gradient written since :func:`expose_unscaled_grads` into its
     master's gradient (what the optimizer applies); forget the marks."""
-    marks, st.grad_marks = st.grad_marks, None
+    it = st.iteration
+    marks, it.grad_marks = it.grad_marks, None
     if marks is None:
         return
     grads, versions = marks

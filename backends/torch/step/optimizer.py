@@ -36,7 +36,7 @@ from ..torch_private import foreach_zero_, is_scheduler_step_wrapper, scheduler_
 from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from .model_edits import held_grads, keep_dropped_grads
 from .optimizer_state import OptimizerState, Round, WrapGroup, base_class, optimizer_state
-from .protocol import copies, step
+from .protocol import layout, step
 
 __all__ = [
     "OptimizerState",
@@ -62,21 +62,22 @@ def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     nothing between steps, so nothing is kept for them.
     """
     st = getattr(self, "_mixprec", None)
+    lay = None if st is None else layout(st, self)
     held = []
-    if st is not None and st.group.compensation is None:
-        held = held_grads(copies(st, self)[1])
+    if lay is not None and st.group.compensation is None:
+        held = held_grads(lay.masters)
     base = base_class(self)
     if _takes_set_to_none(base):
         base.zero_grad(self, set_to_none)
     else:  # a wrapper such as apex's LARC: zero_grad(self) clears its inner optimizer's
         base.zero_grad(self)
-    if st is None:
+    if lay is None:
         return
     if held:
         keep_dropped_grads(st.spare_grads, held)
         del held  # the spare memory is reusable only once these tensors are gone
     model_grads = []
-    for param in copies(st, self)[0]:
+    for param in lay.params:
         if param.grad is None:
             continue
         if set_to_none:
@@ -123,7 +124,7 @@ def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) ->
         )
     masters = [group.masters.master_for(p) for p in params]
     base_class(self).add_param_group(self, {**param_group, "params": masters})
-    st.copies = None
+    st.layout = None  # rebuilt from the new groups on first use
     st.models |= _models_of(group, [{"params": params}])
 
 

@@ -3,7 +3,19 @@
 :class:`WrapGroup` is one ``wrap`` call: its policy, its one :class:`~mixprec.LossScaler`
 and its :class:`~mixprec.masters.MasterWeights`, the one home of the (model parameter,
 master) pairs. :class:`OptimizerState` is one optimizer of it (stored as
-``optimizer._mixprec``): its step tracker and what the step in progress has found.
+``optimizer._mixprec``), in three parts by lifetime:
+
+- its :class:`Layout`: what is derived from the parameter groups (the model parameters and
+  their separate masters as the fused copies take them, the guard pass's plan, whether the
+  compensated fused update takes every parameter), built on first use and dropped whole when
+  the groups change (``add_param_group``);
+- its :class:`Iteration`: what the step in progress has found (the round's decision, the
+  overflow flags, whether ``unscale_`` left the check to the step, ...), a fresh value from
+  the end of one ``step()`` to the end of the next, replaced, never reset field by field;
+- its history, on the state itself: the step tracker (its counters), the skip records and the
+  master gradients' memory kept between steps. The loss scaler (the scale and the skip
+  counters of the whole ``wrap`` call) is the group's.
+
 :class:`Round` is the skip decision the optimizers of one backward pass share. The work on
 them is :mod:`mixprec_torch.step.protocol`'s.
 """
@@ -22,6 +34,8 @@ from mixprec.errors import WrapError
 from mixprec.kit import LossScaler, MasterWeights, OverflowRecord, Policy, StepTracker
 
 __all__ = [
+    "Iteration",
+    "Layout",
     "OptimizerState",
     "Round",
     "RoundGuard",
@@ -38,7 +52,8 @@ class StepCompensation(Protocol):
     """What the step and the checkpoints ask of a compensated strategy
     (:class:`mixprec_torch.compensated.compensation.Compensation`)."""
 
-    def fusable(self, optimizer: torch.optim.Optimizer) -> bool: ...
+    def fusable_params(self, optimizer: torch.optim.Optimizer) -> bool: ...
+    def fusable_options(self, optimizer: torch.optim.Optimizer) -> bool: ...
     def step_fused(self, optimizer: torch.optim.Optimizer, *, master_grads: bool) -> None: ...
     def fill(self, optimizer: torch.optim.Optimizer) -> None: ...
     def store(self, optimizer: torch.optim.Optimizer) -> None: ...
@@ -144,16 +159,110 @@ class WrapGroup:
         alive = [s() for s in self.states]
         return [s for s in alive if s is not None]
 
-    def scope(self, members: list[OptimizerState]) -> frozenset[int]:
+    def scope(
+        self, members: list[OptimizerState], live: list[OptimizerState] | None = None
+    ) -> frozenset[int]:
         """The models a round of ``members`` settles: those they train, and every model no
-        optimizer of the group trains (a frozen model in training mode)."""
-        trained = frozenset().union(*(st.models for st in self.live_states()))
+        optimizer of the group trains (a frozen model in training mode). ``live``: the
+        group's :meth:`live_states`, when the caller has them."""
+        live = self.live_states() if live is None else live
+        trained = frozenset().union(*(st.models for st in live))
         untrained = frozenset(range(self.model_count)) - trained
         return untrained.union(*(st.models for st in members))
 
 
+class Layout:
+    """What the step derives from the optimizer's parameter groups: built on first use
+    (:func:`mixprec_torch.step.protocol.layout`), replaced whole when the groups change."""
+
+    __slots__ = ("fusable", "guard_plan", "masters", "model_of", "pairs", "params", "versions")
+
+    def __init__(self, params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+        self.params = params
+        """The model parameters with a separate master among the optimizer's, in its order."""
+        self.masters = masters
+        """Their masters (the tensors the optimizer holds), in the same order."""
+        self.pairs = (params, masters)
+        """The two lists as the fused copies take them (one tuple, kept: its identity keys
+        the guard plan)."""
+        self.model_of = {id(m): p for p, m in zip(params, masters, strict=True)}
+        """id(master) -> its model parameter."""
+        self.guard_plan: Any = None
+        """The native guard pass's view of the optimizer's tensors
+        (:class:`mixprec_torch.cpu.grad_check.GuardPlan`), built on the first native pass."""
+        self.fusable: bool | None = None
+        """Under ``master=kahan|stochastic``: every parameter can take the fused update (its
+        weight a contiguous CPU tensor the strategy handles, or a float32 CPU one); decided
+        once per layout, the groups' options are checked per step. None: not decided yet."""
+        self.versions: list[int] | None = None
+        """The version counters of :attr:`params` after the last master copy; None until the
+        first step of this layout (:mod:`.model_edits`)."""
+
+
+class Iteration:
+    """What one step of an optimizer has found so far: created when the previous ``step()``
+    ends (or at wrap, or when a checkpoint is loaded), filled by ``unscale_``, the round and
+    the step, and replaced by a fresh one when this ``step()`` ends, taken or skipped."""
+
+    __slots__ = (
+        "checked",
+        "found_inf",
+        "found_on_host",
+        "fused",
+        "grad_marks",
+        "grads_cast",
+        "implicit_unscale",
+        "reevaluating",
+        "round",
+        "unchecked",
+    )
+
+    def __init__(self) -> None:
+        self.round: Round | None = None
+        """The decision of the round this optimizer was unscaled for, once a ``step()`` of
+        the group opened it."""
+        self.found_inf: list[torch.Tensor] = []
+        """The device-side overflow flags of the latest unscale (one per device)."""
+        self.found_on_host = False
+        """The native guard pass found an overflow (its verdict is on the host already)."""
+        self.unchecked = False
+        """The gradients were unscaled without the guard's check (``unscale_``): the step
+        checks them, after whatever the user did to them since."""
+        self.implicit_unscale = False
+        """Another optimizer's ``step()`` unscaled this one (so ``unscale_`` is a no-op)."""
+        self.checked: tuple[list[torch.Tensor], list[int]] | None = None
+        """Checked when another optimizer's ``step()`` opened the round: the gradients and
+        their version counters then, so its own step notices a write in between."""
+        self.grad_marks: tuple[list[torch.Tensor | None], list[int]] | None = None
+        """After ``unscale_``: the model gradients and their version counters, to notice a
+        clip of the model's gradients before the check (:mod:`.model_edits`)."""
+        self.grads_cast = False
+        """This step's gradients were cast into the masters' ``.grad`` (False: under the
+        fused compensated update the model's own gradients are read instead)."""
+        self.fused: bool | None = None
+        """This step takes the compensated fused update; decided once per step."""
+        self.reevaluating = False
+        """The optimizer's own ``step()`` is re-running its closure (LBFGS's line search): a
+        ``scale_loss`` inside belongs to that step."""
+
+
 class OptimizerState:
-    """What mixprec keeps per optimizer (stored as ``optimizer._mixprec``)."""
+    """What mixprec keeps per optimizer (stored as ``optimizer._mixprec``): which optimizer
+    and group, its :class:`Layout`, its :class:`Iteration` and its history."""
+
+    __slots__ = (
+        "__weakref__",
+        "drop_master_grads",
+        "group",
+        "iteration",
+        "layout",
+        "local",
+        "models",
+        "optimizer",
+        "overflows",
+        "spare_grads",
+        "tracker",
+    )
 
     def __init__(
         self,
@@ -164,48 +273,23 @@ class OptimizerState:
     ) -> None:
         self.optimizer: Callable[[], torch.optim.Optimizer | None] = weakref.ref(optimizer)
         self.group = group
-        self.tracker = StepTracker()
         self.local = local
         """Maps a gradient to the part this rank holds (DTensor shards under FSDP2)."""
-        self.copies: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        """Cache, not a second map: the model params and their separate masters among this
-        optimizer's params, as the two lists the fused copies take. Built from
-        ``group.masters`` on first use; None again whenever the param groups change."""
-        self.guard_plan: Any = None
-        """The native guard pass's view of this optimizer's tensors
-        (:class:`mixprec_torch.cpu.grad_check.GuardPlan`), rebuilt with :attr:`copies`."""
-        self.model_of: dict[int, torch.Tensor] = {}
-        """id(master) -> its model parameter, for the pairs of :attr:`copies` (built with it)."""
-        self.found_inf: list[torch.Tensor] = []
-        """The device-side overflow flags of the latest unscale (one per device)."""
-        self.unchecked = False
-        """The gradients were unscaled without the guard's check (``unscale_``): the step
-        checks them, after whatever the user did to them since."""
+        self.models: frozenset[int] = frozenset()
+        """The indices of the models (of the ``wrap`` call) whose parameters it updates."""
         self.drop_master_grads = False
         """After every step, taken or skipped, the separate masters' gradients are dropped
         (the apex shim: apex cleared them so, as ``model.zero_grad()`` cannot reach them)."""
-        self.checked: tuple[list[torch.Tensor], list[int]] | None = None
-        """Checked when another optimizer's ``step()`` opened the round: the gradients and
-        their version counters then, so its own step notices a write in between."""
-        self.round: Round | None = None
-        self.reevaluating = False
-        """The optimizer's own ``step()`` is re-running its closure (LBFGS's line search): a
-        ``scale_loss`` inside belongs to that step."""
-        self.implicit_unscale = False
-        """Another optimizer's ``step()`` unscaled this one (so ``unscale_`` is a no-op)."""
-        self.param_versions: list[int] | None = None
-        """The version counters of the cached model params after the last master copy (in
-        the order of :attr:`copies`); None until the first step."""
-        self.grad_marks: tuple[list[torch.Tensor | None], list[int]] | None = None
-        """After ``unscale_``: the model gradients and their version counters, to notice a
-        clip of the model's gradients before the step (:mod:`.model_edits`)."""
+        self.layout: Layout | None = None
+        """Derived from the parameter groups; None until first used and whenever the groups
+        change."""
+        self.iteration = Iteration()
+        """The step in progress."""
+        # history: what lives from step to step
+        self.tracker = StepTracker()
+        """The stage of the iteration and the count of completed steps."""
         self.overflows: deque[OverflowRecord] = deque(maxlen=100)
         """The parameters that overflowed, per skipped step (filled only on a skip)."""
-        self.models: frozenset[int] = frozenset()
-        """The indices of the models (of the ``wrap`` call) whose parameters it updates."""
-        self.grads_cast = False
-        """This step's gradients were cast into the masters' ``.grad`` (False: under the
-        fused compensated update the model's own gradients are read instead)."""
         self.spare_grads: dict[int, SpareGrad] = {}
         """id(master) -> the float32 gradient memory ``zero_grad(set_to_none=True)`` took
         off that master, reused by the next cast into it (:mod:`.model_edits`) instead of
