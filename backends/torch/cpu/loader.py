@@ -32,7 +32,6 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mixprec.errors import MixprecWarning
 
@@ -149,11 +148,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mp_noise.restype = None
 
 
-def _from_fd(fd: int, path: Path, facts: SourceFacts, origin: str, notes: str) -> Any:
+#: The descriptors of the libraries loaded through ``/proc/self/fd``, kept open (close on
+#: exec) so that the name the process knows them by stays valid for debuggers, profilers
+#: and the sanitizers' symbolizer.
+_held: list[int] = []
+
+
+def _from_fd(
+    fd: int, path: Path, facts: SourceFacts, origin: str, notes: str
+) -> tuple[ctypes.CDLL, KernelInfo]:
     try:
         lib, isa, clones = _open(fd, path, facts)
-    finally:
-        os.close(fd)  # the mapping stays
+    except BaseException:
+        os.close(fd)
+        raise
+    _held.append(fd)
     return lib, KernelInfo(origin, str(path), isa, clones, notes)
 
 
@@ -177,7 +186,7 @@ def load() -> tuple[ctypes.CDLL | None, KernelInfo]:
         except devbuild.BuildFailed as exc:
             return None, KernelInfo("unavailable", reason=f"the developer build failed: {exc}")
         try:
-            return _from_fd(built.fd, built.path, facts, "built", "; ".join(built.notes))  # type: ignore[no-any-return]
+            return _from_fd(built.fd, built.path, facts, "built", "; ".join(built.notes))
         except Untrusted as exc:
             return None, KernelInfo("unavailable", reason=f"the developer build: {exc}")
     path = _installed()
@@ -188,7 +197,7 @@ def load() -> tuple[ctypes.CDLL | None, KernelInfo]:
     try:
         check_folder(path.parent, own=False)
         fd = open_library(path, own=False)
-        return _from_fd(fd, path, facts, "installed", "")  # type: ignore[no-any-return]
+        return _from_fd(fd, path, facts, "installed", "")
     except Untrusted as exc:
         return None, KernelInfo("unavailable", reason=f"the installed library is refused: {exc}")
 
