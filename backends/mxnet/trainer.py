@@ -287,15 +287,22 @@ class Trainer(ScalerCounters, gluon.Trainer):
         if not st.reduced:
             st.accumulation.check(st.params, st.policy.label)
             protocol.reduce_grads(st, self)
+            # param.grad() holds the reduced gradient, as under gluon.Trainer: an edit of it
+            # before update() is checked and applied (accumulation.GradEdits)
+            st.accumulation.edits.publish(protocol.trainable_pairs(st))
 
     def unscale(self) -> None:
         """Divide the master gradients by the loss scale now (before clipping them).
 
         :raises StepOrderError: no scaled backward ran, or unscale was already called.
         """
-        self._mixprec.tracker.on_unscale()
+        st = self._mixprec
+        st.tracker.on_unscale()
         self.allreduce_grads()
-        protocol.unscale(self._mixprec)
+        st.accumulation.edits.take()
+        protocol.unscale(st)
+        # param.grad() shows the unscaled gradient, as the masters' do, and edits go on
+        st.accumulation.edits.publish(protocol.trainable_pairs(st))
 
     def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
         """Reduce, unscale, check, and update or skip; then update the loss scale."""
@@ -306,6 +313,8 @@ class Trainer(ScalerCounters, gluon.Trainer):
         protocol.check_batch_size(batch_size)
         st = self._mixprec
         ensure_prepared(st, self)
+        if st.reduced:  # edits of param.grad() since allreduce_grads(): into the masters'
+            st.accumulation.edits.take()  # gradients (weights and state move only below)
         protocol.update(st, self, batch_size, ignore_stale_grad)
 
     # ------------------------------------------------------------------ masters

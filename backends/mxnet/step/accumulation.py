@@ -53,7 +53,7 @@ from mixprec.kit import BFLOAT16, FLOAT32, is_low_precision
 from ..dtypes import cast, dtype_name, mx_dtype
 from ..gluon_private import consume_fresh_grad, has_fresh_grad, has_grad
 
-__all__ = ["Accumulation", "check_grad_req", "install_zero_grad"]
+__all__ = ["Accumulation", "GradEdits", "check_grad_req", "install_zero_grad"]
 
 _BF16 = mx_dtype(BFLOAT16)
 
@@ -88,6 +88,7 @@ class Accumulation:
     def __init__(self) -> None:
         self.pairs: list[tuple[gluon.Parameter, gluon.Parameter]] = []
         self._added: set[int] = set()  # ids of model data whose gradients went into masters
+        self.edits = GradEdits()  # the user's edits after allreduce_grads()
 
     def track(self, pairs: Iterable[tuple[gluon.Parameter, gluon.Parameter]]) -> None:
         """The (model parameter, separate float32 master) pairs, once the masters exist."""
@@ -145,6 +146,61 @@ class Accumulation:
     def stepped(self) -> None:
         """The step read the sums: the next ones start their own record."""
         self._added.clear()
+        self.edits.clear()
+
+
+class GradEdits:
+    """Edits of the model's gradients between ``allreduce_grads()`` and ``update()``.
+
+    ``gluon.Trainer`` sums the gradients in place, so after ``allreduce_grads()`` the user's
+    ``param.grad()`` holds what ``update()`` applies: zeroing it, clipping it by hand or
+    writing an inf into it is how Gluon users edit a step. Under a policy with separate
+    float32 masters the step applies the masters' gradients, so such an edit used to be
+    neither checked nor applied (issue 37). Now the Trainer's explicit ``allreduce_grads()``
+    (and ``unscale()``) :meth:`publish` the masters' reduced gradients into the model's
+    gradients (rounded to their dtype, as the model sees them) and keep a float32 copy of
+    what they wrote; :meth:`take` then finds every element the user changed since and writes
+    it into the master's gradient, so the overflow check sees it (an inf skips the step) and
+    the update applies it. Elements the user left alone keep the master's float32 value, and
+    an edit of ``trainer.master_grads()`` (the documented clipping path) is kept as it is.
+
+    Cost: on the explicit path only (``trainer.step()`` reduces inside the step and publishes
+    nothing): one cast and one copy per gradient at publish, a cast, a comparison and a
+    ``where`` per gradient at take.
+    """
+
+    def __init__(self) -> None:
+        self._published: list[tuple[nd.NDArray, nd.NDArray, nd.NDArray]] = []
+
+    def publish(self, pairs: Iterable[tuple[gluon.Parameter, gluon.Parameter]]) -> None:
+        """Write each separate master's gradient into its model gradient (every context)."""
+        self._published = []
+        with autograd.pause():
+            for param, master in pairs:
+                if master is param:
+                    continue
+                for grad, total in zip(param.list_grad(), master.list_grad(), strict=True):
+                    if grad is total:
+                        continue
+                    nd.amp_cast(total, dtype=grad.dtype, out=grad)
+                    self._published.append((grad, cast(grad, FLOAT32).copy(), total))
+
+    def take(self) -> None:
+        """Move the user's edits of the published model gradients into the masters'."""
+        with autograd.pause():
+            for grad, written, total in self._published:
+                now = cast(grad, FLOAT32)
+                changed = now != written  # an inf, a NaN, a zero, a clipped value
+                if total.dtype == now.dtype:
+                    nd.where(changed, now, total, out=total)
+                else:  # a low-precision master gradient (O3: no float32 masters)
+                    merged = nd.where(changed, now, cast(total, FLOAT32))
+                    nd.amp_cast(merged, dtype=total.dtype, out=total)
+        self._published = []
+
+    def clear(self) -> None:
+        """Forget what was published (the step read the masters)."""
+        self._published = []
 
 
 def _zero_masters(params: Iterable[gluon.Parameter]) -> None:
