@@ -100,7 +100,7 @@ def test_the_states_file_is_an_ndarray_file_with_a_json_header(tmp_path: Path) -
     trainer.save_states(str(path))
     assert path.read_bytes()[:1] != b"\x80"  # not a pickle
     meta = states_header(path)
-    assert meta["format"] == "mixprec-mxnet-states/2"
+    assert meta["format"] == "mixprec-mxnet-states/3"
     assert meta["optimizer"]["class"] == "Adam"
     assert sorted(meta["names"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
 

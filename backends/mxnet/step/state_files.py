@@ -1,6 +1,6 @@
 """Trainer-state files that hold data, never code: the format ``save_states`` writes.
 
-``mixprec-mxnet-states/2`` is one MXNet NDArray file (``nd.save``: named arrays, parsed by
+``mixprec-mxnet-states/3`` is one MXNet NDArray file (``nd.save``: named arrays, parsed by
 MXNet's own loader, no pickle). Its entry ``__mixprec__`` is a ``uint8`` array holding UTF-8
 JSON: the format name, the policy, the loss-scaler state, the parameters' names, the
 optimizer's class name and its plain settings (numbers, strings, the per-parameter update
@@ -8,6 +8,16 @@ counts, the learning-rate schedule's counters) and, under ``master=kahan|stochas
 strategy and its random stream. The optimizer's per-parameter states (arrays, or tuples of
 them) are entries ``optimizer/<index>/<position>``; the kahan compensation is
 ``compensation/<name>``.
+
+The file ends with a checksum line, ``\\nmixprec-sha256:<64 hex digits>\\n``: the SHA-256 of
+every byte before it (the NDArray file, header and arrays). MXNet's loader ignores bytes after
+the arrays, so ``nd.load`` still reads the file; :func:`read_states` checks the checksum
+before MXNet parses anything, so a flipped byte anywhere (a length, a shape, a name, a number)
+is refused with :class:`~mixprec.errors.CheckpointError` instead of loading changed numbers or
+reaching MXNet's parser. Files of the previous version, ``mixprec-mxnet-states/2`` (the same
+layout without the checksum line), still load: MXNet parses them unverified, and the loader's
+checks (names, shapes, dtypes, finiteness) are all that stands between a damaged one and the
+optimizer. A ``/3`` header without its checksum line is refused (a truncated file).
 
 Loading builds nothing but plain data and arrays: the optimizer object that trains is the
 Trainer's own, which receives the saved settings only where it already has a setting of that
@@ -24,9 +34,11 @@ MXNet's raw-bytes loader. So no file, old or new, can make mixprec run code.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import pickle
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,16 +53,22 @@ from ..gluon_private import update_counts
 
 __all__ = [
     "FORMAT",
+    "FORMAT_V2",
     "LEGACY_FORMAT",
     "SavedStates",
     "decode_state",
     "encode_state",
     "optimizer_record",
     "read_states",
+    "seal",
     "states_arrays",
 ]
 
-FORMAT = "mixprec-mxnet-states/2"
+FORMAT = "mixprec-mxnet-states/3"
+#: The previous version: the same layout without the checksum line; still loaded.
+FORMAT_V2 = "mixprec-mxnet-states/2"
+_CHECKSUM = re.compile(rb"\nmixprec-sha256:([0-9a-f]{64})\n\Z")
+_CHECKSUM_LEN = len(b"\nmixprec-sha256:\n") + 64
 LEGACY_FORMAT = "mixprec-mxnet-states/1"
 META = "__mixprec__"
 _MAX_DEPTH = 8
@@ -161,6 +179,11 @@ def states_arrays(
     return arrays
 
 
+def seal(body: bytes) -> bytes:
+    """The checksum line for a states file whose bytes so far are ``body``."""
+    return b"\nmixprec-sha256:" + hashlib.sha256(body).hexdigest().encode("ascii") + b"\n"
+
+
 # ---------------------------------------------------------------------- reading
 
 
@@ -176,21 +199,29 @@ def read_states(raw: bytes, filename: str) -> SavedStates:
 
     :raises CheckpointError: anything malformed, naming the file; nothing has changed then.
     """
-    if raw[:1] == b"\x80":  # a pickle: mixprec's states/1 or a plain gluon.Trainer file
+    sealed = _CHECKSUM.search(raw[-_CHECKSUM_LEN:])
+    if sealed is not None:
+        body = raw[:-_CHECKSUM_LEN]
+        if hashlib.sha256(body).hexdigest().encode("ascii") != sealed.group(1):
+            raise _damaged(filename, "its SHA-256 checksum does not match its contents")
+        raw = body
+    elif raw[:1] == b"\x80":  # a pickle: mixprec's states/1 or a plain gluon.Trainer file
         return _read_legacy(raw, filename)
     try:
         loaded = nd.load_frombuffer(raw)
-    except mx.base.MXNetError as err:
-        raise _damaged(filename, str(err).splitlines()[0]) from err
+    except (mx.base.MXNetError, ValueError, MemoryError) as err:  # names: UnicodeDecodeError
+        raise _damaged(filename, str(err).splitlines()[0] if str(err) else repr(err)) from err
     if not isinstance(loaded, dict) or META not in loaded:
         raise _damaged(filename, "no mixprec header")
     try:
         meta = json.loads(loaded.pop(META).asnumpy().astype(np.uint8).tobytes().decode("utf-8"))
     except (ValueError, RecursionError, mx.base.MXNetError) as err:
         raise _damaged(filename, f"header: {err}") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or found not in (FORMAT, FORMAT_V2):
         raise _damaged(filename, f"format {found!r}, expected {FORMAT!r}")
+    if found == FORMAT and sealed is None:  # /3 always ends with its checksum line
+        raise _damaged(filename, f"format {found!r} without its checksum line")
     per_param_spec = meta.pop("per_param", None)
     if not isinstance(per_param_spec, dict):
         raise _damaged(filename, "no optimizer state")
@@ -202,6 +233,13 @@ def read_states(raw: bytes, filename: str) -> SavedStates:
     compensation = {
         k[len(prefix) :]: v.asnumpy() for k, v in loaded.items() if k.startswith(prefix)
     }
+    for name, values in compensation.items():
+        if not np.isfinite(values).all():
+            raise CheckpointError(
+                f"{filename!r} holds an inf or NaN in the compensation of {name!r}; loaded, "
+                "it would reach the weights at the next step. The file is damaged: load an "
+                "earlier checkpoint (nothing was loaded)"
+            )
     return SavedStates(meta, per_param, compensation)
 
 

@@ -17,10 +17,13 @@ warning).
 from __future__ import annotations
 
 import copy
+import os
+import stat
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 from mxnet import gluon, nd
 
@@ -29,7 +32,7 @@ from mixprec.kit import LossScaler, Policy, atomic_path
 
 from ..gluon_private import set_update_counts
 from .checkpoint import save_arrays
-from .state_files import SavedStates, optimizer_record, read_states, states_arrays
+from .state_files import SavedStates, optimizer_record, read_states, seal, states_arrays
 from .trainer_state import TrainerState, names_by_id, param_names, trainer_state
 
 __all__ = ["load_states", "save_states"]
@@ -55,6 +58,10 @@ def save_states(trainer: gluon.Trainer, filename: str) -> None:
     arrays = states_arrays(meta, trainer._updaters[0].states, compensation)
     with atomic_path(filename) as tmp:
         save_arrays(tmp, arrays, filename)
+        with open(tmp, "rb") as f:
+            body = f.read()
+        with open(tmp, "ab") as f:  # the checksum line (state_files: format /3)
+            f.write(seal(body))
 
 
 def _ndarray(values: npt.NDArray[Any]) -> nd.NDArray:
@@ -70,8 +77,7 @@ def load_states(trainer: gluon.Trainer, filename: str) -> None:
         optimizer or net; nothing has changed then.
     """
     st = trainer_state(trainer)
-    with open(filename, "rb") as f:
-        raw = f.read()
+    raw = _read_bounded(st, filename)
     saved = read_states(raw, filename)
     scaler_state = _check_policy_and_scaler(st, saved, filename)
     per_param, counts = _renumbered(st, saved)
@@ -104,6 +110,36 @@ def load_states(trainer: gluon.Trainer, filename: str) -> None:
     for updater in trainer._updaters:
         updater.states = {i: copy.deepcopy(state) for i, state in per_param.items()}
         updater.states_synced = dict.fromkeys(updater.states, False)
+
+
+#: Bytes a states file may hold per parameter element (eight float64 state arrays and a
+#: float32 compensation: more than any MXNet optimizer keeps), plus room for the header.
+_BYTES_PER_ELEMENT = 8 * 8 + 4
+_HEADER_ROOM = 16 << 20
+
+
+def _read_bounded(st: TrainerState, filename: str) -> bytes:
+    """The file's bytes, after checking on the open descriptor that it is a regular file no
+    larger than this trainer's states can be (a device, a FIFO or a huge file is refused
+    before anything is read whole)."""
+    elements = sum(int(np.prod(p.shape)) for p in st.params if p.shape is not None)
+    limit = _HEADER_ROOM + _BYTES_PER_ELEMENT * elements
+    with open(filename, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(
+                f"{filename!r} is not a regular file; load the file trainer.save_states() wrote"
+            )
+        if info.st_size > limit:
+            raise CheckpointError(
+                f"{filename!r} holds {info.st_size} bytes, more than the states of this "
+                f"Trainer's {elements} parameter elements can take ({limit}); it is not a "
+                "states file of this net: load the one trainer.save_states() wrote for it"
+            )
+        raw = f.read(limit + 1)
+    if len(raw) > limit:  # the file grew while it was read
+        raise CheckpointError(f"{filename!r} changed while it was read; load it again")
+    return raw
 
 
 def _check_policy_and_scaler(
@@ -174,15 +210,35 @@ def _check_per_param(st: TrainerState, per_param: Mapping[Any, Any], filename: s
             f"{filename!r} holds optimizer state for parameter indices {unknown[:6]}, but this "
             f"Trainer has {count} parameters; load states saved by a Trainer over the same net"
         )
+    masters, names = st.masters, names_by_id(st)
     for index, state in per_param.items():
         param = st.params[index]
-        for array in _arrays(state):
+        name = names.get(id(param), param.name)  # "0.weight", as net.save_parameters keys it
+        # the array the optimizer updates, whose dtype its state has (unknown before the
+        # masters exist: deferred shapes)
+        expected = np.dtype(masters.master_for(param).dtype) if masters is not None else None
+        for position, array in enumerate(_arrays(state)):
             if not isinstance(array, nd.NDArray) or tuple(array.shape) != tuple(param.shape):
                 shape = getattr(array, "shape", type(array).__name__)
                 raise CheckpointError(
                     f"{filename!r} holds optimizer state of shape {shape} for parameter "
                     f"{param.name!r} of shape {param.shape}; load states saved by a Trainer "
                     "over the same net"
+                )
+            if expected is not None and np.dtype(array.dtype) != expected:
+                raise CheckpointError(
+                    f"{filename!r} holds {np.dtype(array.dtype).name} optimizer state "
+                    f"(parameter {name!r}, state {position}) where this Trainer keeps "
+                    f"{expected.name} (the dtype of the array it updates under policy "
+                    f"{st.policy.label}); load states saved by a Trainer under the same policy "
+                    "(nothing was loaded)"
+                )
+            if np.dtype(array.dtype).kind == "f" and not np.isfinite(array.asnumpy()).all():
+                raise CheckpointError(
+                    f"{filename!r} holds an inf or NaN in the optimizer state of parameter "
+                    f"{name!r} (state {position}); loaded, it would reach the weights at "
+                    "the next step. The file is damaged: load an earlier checkpoint (nothing "
+                    "was loaded)"
                 )
 
 
