@@ -12,6 +12,19 @@ its parameters stay the trained ones, and nothing global (``mx.nd``, ``mx.sym``)
 Module rules act per node: nodes inside a module pinned to float32 (``*BatchNorm*`` by
 default) are excluded from low precision, which the pass runs in float32. A node belongs to
 the block whose name prefix is the longest prefix of the node's name.
+
+**Float32 islands keep the policy's numerics.** Where this CPU has no bfloat16 kernel for an
+op the policy computes in bfloat16 (``FullyConnected``, ``Convolution``... on CPUs without
+AVX512: :func:`mixprec_mxnet.ops.island_natives`), the pass must run it in float32; on its own
+that made O1-bf16 on such a CPU train bit for bit like float32 while the
+``Bf16IslandWarning`` said the outputs were "cast back to bfloat16" (issue 37).
+:func:`round_islands` therefore rounds each such node's inputs and outputs to bfloat16
+(``amp_cast`` to bfloat16 and back to float32), which is what the bfloat16 kernel reads and
+writes: the island computes on the values a bfloat16 op sees, accumulates in float32 as
+oneDNN's bfloat16 GEMM does, and its result carries bfloat16's rounding, forward and
+backward (the casts' backward rounds the gradients that flow through). So O1-bf16 on an AVX2
+CPU trains like O1-bf16 on an AVX512-BF16 CPU up to the order of float32 accumulation, and
+like the NumPy reference's emulation of the same policy.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from mixprec.errors import MixprecWarning, WrapError
-from mixprec.kit import FLOAT32, Policy, is_floating, module_rule
+from mixprec.kit import FLOAT32, Policy, is_floating, is_low_precision, module_rule
 
 from ..blocks import BlockInfo, blocks_of
 from ..dtypes import dtype_name, mx_dtype, mx_type_code
@@ -38,13 +51,15 @@ from ..gluon_private import (
     install_traced_graph,
     reduce_precision_symbol,
 )
-from ..ops import AmpLists, amp_lists, family_of, native_name
+from ..ops import AmpLists, amp_lists, family_of, island_natives, native_name
 
 __all__ = [
     "convert_symbol",
     "install_graph_pass",
+    "island_nodes",
     "node_dtypes",
     "protect_accumulation",
+    "round_islands",
 ]
 
 
@@ -89,6 +104,77 @@ def _excluded_nodes(sym: Symbol, policy: Policy, blocks: Sequence[BlockInfo]) ->
             "the module to float32, or move the op in the global lists (policy.with_ops)"
         )
     return excluded
+
+
+def island_nodes(
+    sym: Symbol, policy: Policy, device: str, blocks: Sequence[BlockInfo] = ()
+) -> list[str]:
+    """Names of the nodes the policy computes in its low-precision dtype whose op has no
+    kernel for it on this machine (each runs as a float32 island)."""
+    missing = island_natives(policy.compute, device)
+    if not missing or not is_low_precision(policy.compute):
+        return []
+    found = []
+    for node in json.loads(sym.tojson(remove_amp_cast=False))["nodes"]:
+        if node["op"] not in missing:
+            continue
+        family = family_of(node["op"], node.get("attrs", {}))
+        owner = _owner(node["name"], blocks)
+        path, classes = (owner.path, owner.classes) if owner else (None, None)
+        decision = policy.decide(
+            family or native_name(node["op"]), (policy.compute,), module=path, module_class=classes
+        )
+        if decision.dtype == policy.compute:
+            found.append(node["name"])
+    return found
+
+
+def round_islands(sym: Symbol, names: Sequence[str], dtype: str) -> Symbol:
+    """``sym`` with the inputs and outputs of the nodes ``names`` rounded to ``dtype``
+    (``amp_cast`` to ``dtype`` and back to float32; see the module docstring)."""
+    if not names:
+        return sym
+    wanted = set(names)
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    target = dtype_name(mx_dtype(dtype))
+    nodes: list[dict[str, Any]] = []
+    moved: dict[int, int] = {}  # old node index -> new
+    rounded_out: dict[tuple[int, int], list[int]] = {}  # an island's output -> its rounding
+
+    def entry(old: list[int]) -> list[int]:
+        return rounded_out.get((old[0], old[1]), [moved[old[0]], old[1], old[2]])
+
+    def rounding(source: list[int], name: str) -> list[int]:
+        nodes.append(
+            {
+                "op": "amp_cast",
+                "name": f"{name}_low",
+                "attrs": {"dtype": target},
+                "inputs": [source],
+            }
+        )
+        low = [len(nodes) - 1, 0, 0]
+        nodes.append({"op": "amp_cast", "name": name, "attrs": {"dtype": FLOAT32}, "inputs": [low]})
+        return [len(nodes) - 1, 0, 0]
+
+    for index, node in enumerate(graph["nodes"]):
+        inputs = [entry(e) for e in node["inputs"]]
+        island = node["op"] != "null" and node["name"] in wanted
+        if island:
+            inputs = [
+                rounding(e, f"{node['name']}_mixprec_round_in{i}") for i, e in enumerate(inputs)
+            ]
+        nodes.append(dict(node, inputs=inputs))
+        moved[index] = len(nodes) - 1
+        if island:
+            rounded_out[(index, 0)] = rounding(
+                [moved[index], 0, 0], f"{node['name']}_mixprec_round_out"
+            )
+    graph["nodes"] = nodes
+    graph["arg_nodes"] = [i for i, n in enumerate(nodes) if n["op"] == "null"]
+    graph["heads"] = [entry(h) for h in graph["heads"]]
+    graph.pop("node_row_ptr", None)
+    return mx.sym.load_json(json.dumps(graph))
 
 
 def _module_list(policy: Policy, op: str, path: str | None, classes: Any) -> str | None:
@@ -137,7 +223,9 @@ def convert_symbol(
     }
     if wrapped:
         sym = compose(sym, **wrapped)
+    islands = [n for n in island_nodes(sym, policy, device, blocks) if n not in set(excluded)]
     converted = reduce_precision(sym, lists, excluded, names)
+    converted = round_islands(converted, islands, policy.compute)
     _warn_unhonoured(converted, lists)
     if policy.output != FLOAT32:
         outs = [
