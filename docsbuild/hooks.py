@@ -107,15 +107,23 @@ def _advisor_example() -> str:
 
 
 def _advisor_plots(prefix: str) -> str:
-    rows = []
-    for plot in advisor_example.PLOTS:
-        caption = PLOT_CAPTIONS[plot]
-        rows.append(f'![{caption}]({prefix}{IMG}/advisor/torch/{plot}){{ width="49%" }}')
-    items = "\n".join(rows)
+    """Every backend's four plots, a heading each (the runs of ``advisor-example``)."""
+    _, examples = _state["advisor"]
+    names = {"torch": "PyTorch", "mxnet": "MXNet Gluon"}
+    parts = []
+    for example in examples:
+        rows = []
+        for plot in advisor_example.PLOTS:
+            caption = PLOT_CAPTIONS[plot]
+            uri = f"{prefix}{IMG}/advisor/{example.backend}/{plot}"
+            rows.append(f'![{names.get(example.backend, example.backend)}: {caption}]({uri})'
+                        '{ width="49%" }')  # fmt: skip
+        title = names.get(example.backend, example.backend)
+        parts.append(f"**{title}** (`{example.command}`):\n\n" + "\n".join(rows))
     captions = " ".join(
         f"**{n}.** {PLOT_CAPTIONS[plot]}" for n, plot in enumerate(advisor_example.PLOTS, 1)
     )
-    return f"{items}\n\n{captions}\n"
+    return "\n\n".join(parts) + f"\n\nIn each: {captions}\n"
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

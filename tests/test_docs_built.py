@@ -247,11 +247,12 @@ def _png(path: Path) -> bool:
 def test_the_advisor_page_shows_a_run_of_this_build(site: Path, pages: dict[str, Page]) -> None:
     page = pages["advisor.html"]
     plots = ("time_vs_distance.png", "loss_curves.png", "loss_scale.png", "sensitivity.png")
-    shown = [src for src in page.images if "img/build/advisor/torch/" in src]
-    assert [src.rsplit("/", 1)[1] for src in shown] == list(plots)
-    for src in shown:
-        path = site / src
-        assert _png(path) and path.stat().st_size > 10_000, src
+    for backend in ("torch", "mxnet"):  # both backends' plots are on the page
+        shown = [src for src in page.images if f"img/build/advisor/{backend}/" in src]
+        assert [src.rsplit("/", 1)[1] for src in shown] == list(plots)
+        for src in shown:
+            path = site / src
+            assert _png(path) and path.stat().st_size > 10_000, src
     text = "\n".join(page.code_blocks)
     for backend in ("torch", "mxnet"):
         assert f"mixprec advise examples.advise_demo:{backend}_digits" in text

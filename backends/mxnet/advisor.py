@@ -30,9 +30,11 @@ from mixprec.kit import (
     AdviceReport,
     Capabilities,
     ModuleSensitivity,
+    get_policy,
     run_advice,
 )
 
+from .bf16_kernels import quiet_native_log
 from .devices import capabilities, device_key
 from .diagnostics import underflow_fraction
 from .dtypes import cast
@@ -52,6 +54,10 @@ class _Trainee:
         self.net, self.trainer, self.loss_fn = net, trainer, loss_fn
 
     def step(self, batch: Any) -> float:
+        with quiet_native_log():  # oneDNN's C++ log of a float32 island: not the user's news
+            return self._step(batch)
+
+    def _step(self, batch: Any) -> float:
         inputs, target = batch
         with autograd.record():
             loss = self.loss_fn(self.net(inputs), target)
@@ -145,6 +151,16 @@ class _MxTarget:
         )
         return net, Trainer(net, optimizer, dict(self.params), policy=policy)
 
+    def no_sensitivity_reason(self, policy: str) -> str | None:
+        """Why :meth:`sensitivity` has no rows under ``policy`` (the report's note)."""
+        if get_policy(policy).casts_ops and isinstance(self.net, gluon.HybridBlock):
+            return (
+                "MXNet's O1 casts ops inside the hybridized graph, where Gluon's block hooks "
+                "do not fire, so no block can be measured under it; name O2-bf16 among the "
+                "candidates for per-block rows in the same compute dtype"
+            )
+        return None
+
     def start(self, policy: str) -> _Trainee:
         net, trainer = self._copy(policy)
         if isinstance(net, gluon.HybridBlock):
@@ -180,7 +196,8 @@ class _MxTarget:
         return {"acts": seen, "grads": grads}
 
     def sensitivity(self, policy: str, batch: Any) -> list[ModuleSensitivity]:
-        ref, low = self._measure("O0", batch), self._measure(policy, batch)
+        with quiet_native_log():
+            ref, low = self._measure("O0", batch), self._measure(policy, batch)
         rows = []
         for name, (inp, out, cls) in low["acts"].items():
             ref_in, ref_out, _ = ref["acts"].get(name, (None, None, ""))
@@ -207,6 +224,7 @@ def advise(
     max_skip_fraction: float = 0.2,
     seed: int = 0,
     progress: bool | None = None,
+    objective: str = "speed",
 ) -> AdviceReport:
     """Train short copies of ``net`` under each candidate policy and advise which to use.
 
@@ -220,7 +238,23 @@ def advise(
         preset the net's context computes in. One that raises is reported as failed.
     :param seed: seeds MXNet's random generator before each copy.
 
-    The other parameters are those of ``mixprec.torch.advise``.
+    The other parameters (``objective`` among them) are those of ``mixprec.torch.advise``.
+
+    Example::
+
+        import mxnet as mx
+        from mxnet import gluon
+        import mixprec.mxnet as mpx
+
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Dense(64, activation="relu"), gluon.nn.Dense(2))
+        net.initialize()
+        x = mx.nd.random.normal(shape=(256, 20))
+        batches = [(x[i : i + 64], x[i : i + 64, 0] > 0) for i in range(0, 256, 64)]
+        net(batches[0][0])
+        report = mpx.advise(net, "adam", {"learning_rate": 1e-3}, batches,
+                            gluon.loss.SoftmaxCrossEntropyLoss(), ["O2-bf16"], 8)
+        print(report.table())
 
     :returns: an :class:`~mixprec.kit.AdviceReport`; ``report.recommended`` is the policy.
     :raises AdviceError: bad arguments, before anything runs.
@@ -245,4 +279,5 @@ def advise(
         max_rules=max_rules,
         max_skip_fraction=max_skip_fraction,
         progress=progress,
+        objective=objective,
     )

@@ -228,6 +228,7 @@ def advise(
     max_skip_fraction: float = 0.2,
     seed: int = 0,
     progress: bool | None = None,
+    objective: str = "speed",
 ) -> AdviceReport:
     """Train short copies of ``model`` under each candidate policy and advise which to use.
 
@@ -244,8 +245,28 @@ def advise(
     :param max_rules: at most this many module rules are proposed.
     :param max_skip_fraction: a policy skipping more of its steps is not recommended.
     :param seed: the seed every copy starts from (the caller's random state is restored).
-    :param progress: show a tqdm bar; None shows one only on a terminal.
-    :returns: an :class:`~mixprec.advice.AdviceReport`; ``report.recommended`` is the policy.
+    :param progress: show a tqdm bar; None shows one on a terminal and one line per
+        candidate otherwise (piped output); False shows nothing.
+    :param objective: what the recommendation answers: ``"speed"`` (the default) the
+        fastest policy on this machine, float32 included; ``"memory"`` the smallest peak
+        memory; ``"numerics"`` the low-precision policy closest to float32's loss. Ties within
+        10% go to the run closest to float32's loss, never to an ``O3`` preset first.
+    :returns: an :class:`~mixprec.kit.AdviceReport`; ``report.recommended`` is the policy.
+
+    Example (a complete run: a small model, its batches and loss)::
+
+        import torch
+        import mixprec
+        import mixprec.torch as mpt
+
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 2))
+        x = torch.randn(256, 20)
+        batches = [(x[i : i + 64], (x[i : i + 64, 0] > 0).long()) for i in range(0, 256, 64)]
+        report = mpt.advise(model, lambda p: torch.optim.Adam(p, lr=1e-3), batches,
+                            torch.nn.functional.cross_entropy, ["O1-bf16", "O2-bf16"], 8)
+        print(report.table())
+        policy = mixprec.get_policy(report.recommended)
     :raises AdviceError: bad arguments, before anything runs.
     :raises PolicyError: a candidate that is not a policy.
     """
@@ -266,4 +287,5 @@ def advise(
             max_rules=max_rules,
             max_skip_fraction=max_skip_fraction,
             progress=progress,
+            objective=objective,
         )

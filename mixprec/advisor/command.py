@@ -5,31 +5,37 @@ The factory is a function of no arguments in an importable module. It returns
 ``(net, (optimizer, optimizer_params), batches, loss_fn)`` for MXNet Gluon; the backend is
 told by the model's class (or ``--backend``). The report goes to the terminal and, with the
 recommended policy as TOML and the plots, into ``--out``.
+
+What can fail after the training is checked before it: ``--out`` must be a folder this user
+can write (or one it can create), and without matplotlib the run says at its start that it
+writes no plots (``pip install 'mixprec[advise]'`` brings them).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
+from mixprec.advisor.verdicts import OBJECTIVES
 from mixprec.cli_format import positive_int
 from mixprec.engine.plugins import load_backend
-from mixprec.errors import AdviceError
+from mixprec.errors import AdviceError, MixprecWarning
 from mixprec.policy.grammar import split_items
 
-__all__ = ["add_parser", "backend_of", "load_factory", "split_candidates"]
+__all__ = ["add_parser", "backend_of", "check_out", "load_factory", "split_candidates"]
 
 
 def load_factory(spec: str) -> Any:
     """The callable named by ``"package.module:function"``."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise AdviceError(
-            f"expected module:factory such as 'examples.advise_demo:torch_digits', got {spec!r}"
-        )
+        raise AdviceError(f"expected module:function such as 'my_advice:factory', got {spec!r}")
     sys.path.insert(0, str(Path.cwd()))  # as `python -m` does: the current folder's modules
     try:
         module = importlib.import_module(module_name)
@@ -78,6 +84,32 @@ def backend_of(model: Any) -> str:
     )
 
 
+def check_out(out: str) -> Path:
+    """``--out`` as a path, refused (:class:`AdviceError`) unless it is a folder this user
+    can write, or one that can be created: checked before any training, changing nothing."""
+    path = Path(out)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == path else f"is under {folder}, a file"
+                raise AdviceError(
+                    f"--out {out!r} {where}, not a folder; pass a folder for the report and "
+                    "plots, such as --out advice/"
+                )
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise AdviceError(
+                    f"--out {out!r}: {folder} is not writable by this user; pass a folder "
+                    "you can write, such as --out advice/"
+                )
+            return path
+    return path  # a relative path whose parents do not exist yet: the current folder
+
+
+def plots_available() -> bool:
+    """Whether matplotlib (the plots) is installed; said at the start of a run when not."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _make(spec: str) -> Any:
     factory = load_factory(spec)
     try:
@@ -91,6 +123,15 @@ def _make(spec: str) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
+    out = check_out(args.out)
+    plots = plots_available()
+    if not plots:
+        warnings.warn(
+            "matplotlib is not installed, so this run writes no plots (the report and the "
+            "policy file still): pip install 'mixprec[advise]' brings them",
+            MixprecWarning,
+            stacklevel=1,
+        )
     made = _make(args.factory)
     if not isinstance(made, tuple) or len(made) != 4:
         raise AdviceError(
@@ -100,7 +141,11 @@ def _run(args: argparse.Namespace) -> int:
     model, optimizer, batches, loss_fn = made
     backend = args.backend or backend_of(model)
     candidates = split_candidates(args.candidates) if args.candidates else None
-    options: dict[str, Any] = {"candidates": candidates, "steps": args.steps}
+    options: dict[str, Any] = {
+        "candidates": candidates,
+        "steps": args.steps,
+        "objective": args.objective,
+    }
     api = load_backend(backend)
     if backend == "mxnet":
         name, params = optimizer if isinstance(optimizer, tuple) else (optimizer, None)
@@ -108,19 +153,25 @@ def _run(args: argparse.Namespace) -> int:
     else:
         report = api.advise(model, optimizer, batches, loss_fn, **options)
     print(report.table())
-    paths = report.save(args.out)
-    print(f"\nreport: {paths['json']}\npolicy: {paths['toml']}\nplots:  {Path(args.out)}/*.png")
+    paths = report.save(out, plots=plots)
+    drawn = f"{out}/*.png" if plots else "none (pip install 'mixprec[advise]')"
+    print(f"\nreport: {paths['json']}\npolicy: {paths['toml']}\nplots:  {drawn}")
     return 0
 
 
 EPILOG = """examples:
-  mixprec advise examples.advise_demo:torch_digits --out advice/ --steps 16
-  mixprec advise examples.advise_demo:mxnet_digits --candidates O1-bf16,O2-bf16
+  mixprec advise my_advice:factory --out advice/ --steps 16
+  mixprec advise my_advice:factory --objective memory --candidates O1-bf16,O2-bf16
   mixprec advise mypackage.train:make_model --backend torch
 
-FACTORY names a function of no arguments, in a module importable from the current folder
-or the installed packages. It returns (model, make_optimizer, batches, loss_fn) for
-PyTorch, (net, (optimizer, optimizer_params), batches, loss_fn) for Gluon.
+FACTORY names a function of no arguments in a module importable from the current folder
+(my_advice.py above) or the installed packages. It returns (model, make_optimizer, batches,
+loss_fn) for PyTorch, (net, (optimizer, optimizer_params), batches, loss_fn) for Gluon.
+A complete my_advice.py for each: 'mixprec docs advisor' (section "The command line").
+
+--objective: speed (default) recommends the fastest policy on this machine, float32
+included; memory the smallest peak memory; numerics the low-precision policy closest to
+float32's loss, to train in wherever low precision is fast.
 """
 
 
@@ -144,6 +195,12 @@ def add_parser(sub: Any) -> None:
     )
     advise.add_argument(
         "--steps", type=positive_int, default=20, help="training steps per policy (default: 20)"
+    )
+    advise.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="speed",
+        help="what the recommendation optimises (default: speed, on this machine)",
     )
     advise.add_argument("--out", default="mixprec-advice", help="folder for report and plots")
     advise.set_defaults(run=_run)

@@ -8,6 +8,7 @@ The report is read through the :class:`PlottedReport` protocol, so this module s
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 from mixprec.atomic import atomic_path
 from mixprec.errors import MixprecError
 
-__all__ = ["PlottedReport", "plot_report"]
+__all__ = ["PlottedReport", "plot_report", "time_vs_distance_figure"]
 
 
 class PlottedReport(Protocol):
@@ -45,20 +46,32 @@ def _figure(width: float = 7.0, height: float = 4.0) -> Any:
     except ImportError as err:
         raise MixprecError(
             "AdviceReport.plot() needs matplotlib, which is not installed; "
-            "install it with: pip install 'mixprec[docs]'"
+            "install it with: pip install 'mixprec[advise]'"
         ) from err
     return Figure(figsize=(width, height))
 
 
-def _save(fig: Any, path: Path) -> Path:
+def _save(fig: Any, path: Path, *, tight: bool = False) -> Path:
+    """Save ``fig``; ``tight`` crops to what is drawn (a legend outside the axes included)."""
     fig.tight_layout()
     with atomic_path(path, suffix=path.suffix) as tmp:
-        fig.savefig(tmp, dpi=100)
+        fig.savefig(tmp, dpi=100, bbox_inches="tight" if tight else None)
     return path
 
 
-def _time_vs_distance(report: PlottedReport, path: Path) -> Path:
-    fig = _figure()
+#: Markers cycled over the runs of the time-vs-distance plot.
+MARKERS = "os^Dv<>pP*Xh"
+
+
+def _wrapped(text: str, width: int = 48) -> str:
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent="  ")) or text
+
+
+def time_vs_distance_figure(report: PlottedReport) -> Any:
+    """The figure of ``time_vs_distance.png``: one marker per run, and each run's label (its
+    policy and verdict) in a legend beside the axes, never next to the points, so labels of
+    runs close together on the plot cannot overlap."""
+    fig = _figure(10.0, 4.5)
     ax = fig.add_subplot()
     finite = [
         r.loss_distance
@@ -67,23 +80,25 @@ def _time_vs_distance(report: PlottedReport, path: Path) -> Path:
     ]
     # a diverged run (inf distance) is drawn at the top edge, marked, instead of vanishing
     ceiling = max([report.tolerance, *finite]) * 1.5 or 1.0
-    for run in report.runs:
-        if run.median_time is None or run.loss_distance is None:
-            continue
+    shown = [r for r in report.runs if r.median_time is not None and r.loss_distance is not None]
+    for n, run in enumerate(shown):
         diverged = not math.isfinite(run.loss_distance)
         y = ceiling if diverged else run.loss_distance
-        ax.scatter(1e3 * run.median_time, y, marker="x" if diverged else "o")
         label = f"{run.policy} (diverged)" if diverged else run.policy
         if run.verdict:  # why it was rejected, or that it is the recommended one
-            label += f"\n{run.verdict}"
-        ax.annotate(label, (1e3 * run.median_time, y), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")  # fmt: skip
+            label += f": {run.verdict}"
+        ax.scatter(1e3 * run.median_time, y, marker="x" if diverged else MARKERS[n % len(MARKERS)],
+                   s=60 if run.verdict == "recommended" else 36, label=_wrapped(label))  # fmt: skip
     ax.axhline(report.tolerance, linestyle="--", color="grey", label="tolerance")
     ax.set_xlabel("median step time (ms)")
     ax.set_ylabel("loss distance from float32")
     ax.set_title(f"{report.backend} on {report.device}: speed vs accuracy")
-    ax.legend()
-    return _save(fig, path)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, borderaxespad=0.0)
+    return fig
+
+
+def _time_vs_distance(report: PlottedReport, path: Path) -> Path:
+    return _save(time_vs_distance_figure(report), path, tight=True)
 
 
 def _loss_curves(report: PlottedReport, path: Path) -> Path:

@@ -129,6 +129,10 @@ class AdviceReport:
     included (on a CPU without fast float16 or bfloat16 it is float32)."""
     safest: str | None = None
     """"Safest numerics": the qualifying low-precision run closest to float32's loss."""
+    objective: str = "speed"
+    """What :attr:`recommended` optimises: ``"speed"`` (the fastest policy on this machine,
+    float32 included), ``"memory"`` or ``"numerics"`` (the low-precision policy closest to
+    float32's loss); see :mod:`mixprec.advisor.verdicts`."""
 
     # ------------------------------------------------------------------ lookups
 
@@ -199,12 +203,16 @@ class AdviceReport:
         if self.sensitivity_policy:
             lines.append("")
             lines.append(f"module sensitivity under {self.sensitivity_policy} (vs float32):")
-            lines.extend(_sensitivity_lines(self.sensitivity, self.tuned_sensitivity))
+            if self.sensitivity:
+                lines.extend(_sensitivity_lines(self.sensitivity, self.tuned_sensitivity))
+            else:
+                lines.append("  no module measured (the notes say why)")
         if self.rules:
             lines.append(f"proposed rules: {', '.join(self.rules)}")
             lines.append(f"tuned policy:   {self.tuned_policy}")
         lines.extend(f"note: {note}" for note in self.notes)
         lines.append("")
+        lines.append(f"objective: {self.objective}")
         lines.append(f"recommended: {self.recommended}  ({self.reason})")
         lines.extend(self._ranking_lines())
         return "\n".join(lines)
@@ -239,13 +247,13 @@ class AdviceReport:
 
         ``time_vs_distance.png`` (median step time against loss distance per policy),
         ``loss_curves.png``, ``loss_scale.png`` and ``sensitivity.png`` (the per-module added
-        error before and after the proposed rules). Needs matplotlib (``mixprec[docs]``).
+        error before and after the proposed rules). Needs matplotlib (``mixprec[advise]``).
         """
         return plots.plot_report(self, Path(folder))
 
-    def save(self, folder: str | os.PathLike[str]) -> dict[str, Path]:
-        """Write ``report.json``, ``recommended.toml``, ``report.txt`` and the plots into
-        ``folder``; return the paths by name."""
+    def save(self, folder: str | os.PathLike[str], *, plots: bool = True) -> dict[str, Path]:
+        """Write ``report.json``, ``recommended.toml``, ``report.txt`` and (unless ``plots``
+        is False) the plots into ``folder``; return the paths by name."""
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / "report.json", "toml": out / "recommended.toml"}
@@ -253,7 +261,7 @@ class AdviceReport:
         self.write_toml(paths["toml"])
         paths["table"] = out / "report.txt"
         atomic_write_text(paths["table"], self.table() + "\n")
-        for path in self.plot(out):
+        for path in self.plot(out) if plots else []:
             paths[path.stem] = path
         return paths
 

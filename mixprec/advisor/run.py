@@ -10,9 +10,16 @@ model under a policy and measures module errors) and :class:`Trainee` (one copy,
    under ``threshold`` (at most ``max_rules``); when that candidate runs FP8 layers, the
    layers its FP8 what-if statistics find fragile are first kept in its compute dtype
    (``path:<layer>=bfloat16``, :func:`fp8_rules`);
-3. train the tuned policy too, and recommend the fastest low-precision policy whose loss
-   stays within ``tolerance`` of float32's with few skipped steps (float32 when none does),
-   ranking speed on this machine apart from it (:mod:`mixprec.advisor.verdicts`).
+3. train the tuned policy too, and recommend, among the policies whose loss stays within
+   ``tolerance`` of float32's with few skipped steps, the one that best meets the
+   ``objective``: ``"speed"`` (the default: the fastest here, float32 included), ``"memory"``
+   or ``"numerics"`` (the low-precision policy closest to float32's loss), with ties within
+   the noise broken by a stated rule (:mod:`mixprec.advisor.verdicts`).
+
+Warnings the copies raise (a ``RepeatedSkipWarning`` of a candidate that skips, a slow
+bfloat16 warning of ``wrap``) are the candidates' findings: they go into the report's notes,
+once each, not onto the terminal. Progress goes to stderr: a tqdm bar on a terminal, one
+line per candidate otherwise (piped, or in CI).
 
 A policy with a dynamic loss scale is calibrated first: a throwaway copy steps on the first
 ``warmup`` batches, each again while its step is skipped, and the run starts from the scale
@@ -30,12 +37,16 @@ import dataclasses
 import math
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from mixprec.advisor.report import AdviceReport, ModuleSensitivity, PolicyRun
 from mixprec.advisor.verdicts import (
+    OBJECTIVES,
+    best_of,
+    check_objective,
     fastest,
     loss_distance,
     recommend,
@@ -51,10 +62,12 @@ from mixprec.policy.presets import BUILTIN_PRESETS
 from mixprec.policy.value import Policy
 
 __all__ = [
+    "OBJECTIVES",
     "AdviceError",
     "AdviceTarget",
     "Trainee",
     "candidate_policies",
+    "cautioned",
     "fp8_rules",
     "loss_distance",
     "propose_rule",
@@ -122,6 +135,18 @@ def candidate_policies(caps: Capabilities, device: str) -> list[str]:
     return ["O0", *(n for n in names if _runs(get_policy(n), cap))]
 
 
+def cautioned(policies: Sequence[str]) -> list[str]:
+    """The policies the docs warn about (the home page's ``O3`` rows): low-precision weights
+    with neither float32 masters nor a compensated update, whose small updates can round
+    away. A tie in the recommendation never goes to one of them."""
+    out = []
+    for name in policies:
+        policy = get_policy(name)
+        if policy.param != "float32" and policy.master is None and policy.master_strategy is None:
+            out.append(name)
+    return out
+
+
 def _runs(policy: Policy, cap: DeviceCapability) -> bool:
     """Whether a preset is a default candidate on a device: its compute dtype and its FP8
     recipe listed there, no compensated strategy."""
@@ -168,24 +193,69 @@ def _ranked(rows: Sequence[ModuleSensitivity]) -> list[ModuleSensitivity]:
     return sorted((s for s in rows if s.module), key=key)  # the root cannot take a path rule
 
 
+class _Lines:
+    """Progress as one line per candidate on stderr, where no bar is drawn (piped output)."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc = desc
+
+    def say(self, text: str) -> None:
+        print(f"{self.desc}: {text}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
-def _progress(total: int, desc: str, show: bool | None) -> Iterator[Any]:
-    """A tqdm bar on stderr, shown only on a terminal unless ``show`` says otherwise."""
+def _progress(total: int, desc: str, show: bool | None) -> Iterator[tuple[Any, _Lines | None]]:
+    """``(bar, lines)``: a tqdm bar on stderr on a terminal, else one line per candidate;
+    ``show=True`` asks for the bar (lines when tqdm is missing), ``False`` for neither."""
+    bar: Any = None
+    lines: _Lines | None = None
     if show is None:
         show = sys.stderr.isatty()
-    bar: Any = None
+        lines = None if show else _Lines(desc)
     if show:
         try:
             from tqdm.auto import tqdm  # type: ignore[import-untyped]
         except ImportError:  # the bar is a nicety: pip install 'mixprec[advise]'
-            bar = None
+            lines = _Lines(desc)
         else:
             bar = tqdm(total=total, desc=desc, unit="step", leave=True, file=sys.stderr)
     try:
-        yield bar
+        yield bar, lines
     finally:
         if bar is not None:
             bar.close()
+
+
+@contextlib.contextmanager
+def _findings(notes: list[str], policy: str) -> Iterator[None]:
+    """Warnings raised inside go into ``notes`` (once per policy, kind and message, with a
+    count), not onto the terminal: a candidate's warnings are findings about it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    counts: dict[str, int] = {}
+    for warning in caught:
+        first = str(warning.message).strip().splitlines()[0] if str(warning.message) else ""
+        said = f"{warning.category.__name__}: {first}"
+        counts[said] = counts.get(said, 0) + 1
+    for said, n in counts.items():
+        if any(note.endswith(said) or f"{said} (" in note for note in notes):
+            continue  # the same finding under another policy: once is enough
+        notes.append(f"{policy}: {said}" + (f" ({n} times)" if n > 1 else ""))
+
+
+def _summary(run: PolicyRun) -> str:
+    """One line on a finished run, for the piped progress."""
+    if not run.ok:
+        return run.status
+    said = []
+    if run.median_time is not None:
+        said.append(f"{1e3 * run.median_time:.1f} ms a step")
+    if run.loss_distance is not None:
+        said.append(f"loss distance {run.loss_distance:.3f}")
+    if run.skipped_steps:
+        said.append(f"{run.skipped_steps} skipped")
+    return ", ".join(said) or "done"
 
 
 def _status_kb(field: str) -> int | None:
@@ -258,7 +328,20 @@ def _train(
     run = PolicyRun(policy)
     if bar is not None:
         bar.set_postfix_str(policy)
-    spec, note = _calibrate(target, policy, batches, warmup, run)
+    with _findings(notes, policy):
+        return _train_copy(target, run, batches, steps, warmup, bar, notes)
+
+
+def _train_copy(
+    target: AdviceTarget,
+    run: PolicyRun,
+    batches: Sequence[Any],
+    steps: int,
+    warmup: int,
+    bar: Any,
+    notes: list[str],
+) -> PolicyRun:
+    spec, note = _calibrate(target, run.policy, batches, warmup, run)
     if note is not None:
         notes.append(note)
     rss_start = _status_kb("VmRSS") if _reset_peak_rss() else None
@@ -296,12 +379,14 @@ def _train(
 def _warm_up(target: AdviceTarget, batch: Any) -> None:
     """One untimed float32 step, so that the first candidate does not pay for the
     framework's one-time setup (kernel selection, allocator pools) in time and memory."""
-    with contextlib.suppress(Exception):  # a real failure shows up in the O0 run itself
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a real failure or warning shows up in the O0 run
         target.start("O0").step(batch)
 
 
 def _check(candidates: Sequence[str], batches: Sequence[Any], steps: int, tolerance: float,
-           threshold: float) -> list[str]:  # fmt: skip
+           threshold: float, objective: str) -> list[str]:  # fmt: skip
+    check_objective(objective)
     if steps < 1:
         raise AdviceError(f"steps must be at least 1, got {steps}; pass steps=20 or so")
     if len(batches) == 0:
@@ -328,6 +413,7 @@ def run_advice(
     max_rules: int = 3,
     max_skip_fraction: float = 0.2,
     progress: bool | None = None,
+    objective: str = "speed",
 ) -> AdviceReport:
     """Train copies under each candidate, tune the fastest one with module rules, advise.
 
@@ -336,15 +422,24 @@ def run_advice(
     """
     if candidates is None:
         candidates = candidate_policies(target.capabilities(), target.device)
-    policies = _check(candidates, batches, steps, tolerance, threshold)
+    policies = _check(candidates, batches, steps, tolerance, threshold, objective)
     warmup = min(warmup, steps - 1)
     runs: list[PolicyRun] = []
     notes: list[str] = []
     total = steps * (len(policies) + 1)
-    with _progress(total, f"advise {target.backend}", progress) as bar:
+    with _progress(total, f"advise {target.backend}", progress) as (bar, lines):
+        if lines is not None:
+            lines.say(
+                f"{len(policies)} policies, {steps} steps each, objective {objective}: "
+                + ", ".join(policies)
+            )
         _warm_up(target, batches[0])
-        for policy in policies:
-            runs.append(_train(target, policy, batches, steps, warmup, bar, notes))
+        for i, policy in enumerate(policies, 1):
+            run = _train(target, policy, batches, steps, warmup, bar, notes)
+            runs.append(run)
+            run.loss_distance = loss_distance(run.losses, runs[0].losses) if run.ok else None
+            if lines is not None:
+                lines.say(f"[{i}/{len(policies)}] {policy}: {_summary(runs[-1])}")
         reference = runs[0].losses
         for run in runs:
             run.loss_distance = loss_distance(run.losses, reference) if run.ok else None
@@ -359,18 +454,25 @@ def run_advice(
             tolerance=tolerance,
             threshold=threshold,
             notes=notes,
+            objective=objective,
         )
+        if lines is not None:
+            lines.say("measuring module sensitivity")
         _tune(target, report, batches[0], max_rules)
         if report.tuned_policy is not None:
             tuned = _train(target, report.tuned_policy, batches, steps, warmup, bar, notes)
             tuned.loss_distance = loss_distance(tuned.losses, reference) if tuned.ok else None
             runs.append(tuned)
+            if lines is not None:
+                lines.say(f"[tuned] {tuned.policy}: {_summary(tuned)}")
         elif bar is not None:
             bar.update(steps)
     judged = (tolerance, max_skip_fraction, steps)
-    report.recommended, report.reason = recommend(runs, *judged)
+    warned = cautioned([run.policy for run in runs])
+    report.recommended, report.reason = recommend(runs, *judged, objective, warned)
     report.fastest, report.safest = fastest(runs, *judged), safest(runs, *judged)
-    for run, verdict in zip(runs, verdicts(runs, report.recommended, *judged), strict=True):
+    lines_of = verdicts(runs, report.recommended, *judged, objective, warned)
+    for run, verdict in zip(runs, lines_of, strict=True):
         run.verdict = verdict
     report.recommended_toml = get_policy(report.recommended).to_toml()
     report.notes.extend(timing_notes(runs))
@@ -383,13 +485,29 @@ def _tune(target: AdviceTarget, report: AdviceReport, batch: Any, max_rules: int
     lowp = [r for r in report.runs if r.ok and r.median_time and get_policy(r.policy) != fp32]
     if not lowp:
         return
-    base = min(lowp, key=lambda r: r.median_time or math.inf).policy
+    # the fastest, with the recommendation's tie rule: the same base from identical runs
+    warned = cautioned([r.policy for r in lowp])
+    base = best_of(lowp, lambda r: r.median_time or math.inf, warned, report.runs).policy
     report.sensitivity_policy = base
+    with _findings(report.notes, f"module sensitivity under {base}"):
+        _measure(target, report, base, batch, max_rules)
+
+
+def _measure(
+    target: AdviceTarget, report: AdviceReport, base: str, batch: Any, max_rules: int
+) -> None:
     try:
         ranked = _ranked(target.sensitivity(base, batch))
     except Exception as exc:  # measured on a best-effort basis: say why it is missing
         report.notes.append(f"module sensitivity failed: {type(exc).__name__}: {exc}")
         return
+    if not ranked:
+        why = getattr(target, "no_sensitivity_reason", None)
+        said = why(base) if callable(why) else None
+        report.notes.append(
+            f"module sensitivity under {base}: no module could be measured"
+            + (f" ({said})" if said else "")
+        )
     report.sensitivity = ranked
     try:  # FP8-fragile layers back to the compute dtype first (per-row errors find them)
         rules, fp8_layers = fp8_rules(target, base, batch)

@@ -10,24 +10,43 @@ among those skips: the advisor calibrates the scale before the run
 (:attr:`~mixprec.advisor.report.PolicyRun.warmup_skips`), so a float16 policy is judged on its
 numerics, not on its scaler's first steps.
 
-The **recommendation** answers the advisor's question, which low-precision policy this model
-can train in: the fastest qualifying low-precision run, and float32 (``O0``, the reference)
-only when none qualifies. How fast each runs *on this machine* is ranked apart from it:
-:func:`fastest` ("fastest here", float32 included: on a CPU without fast float16 it is
-often float32) and :func:`safest` ("safest numerics", the qualifying low-precision run
-closest to float32's loss). :func:`verdicts` gives every run one line: ``recommended``, the
-float32 reference, or why it was rejected.
+The **recommendation** answers the question of its ``objective``:
+
+- ``"speed"`` (the default): which policy on this machine. The fastest qualifying run,
+  float32 included, so it is never a policy slower than float32 here;
+- ``"memory"``: the qualifying run with the smallest peak memory;
+- ``"numerics"``: which low-precision policy this model can train in, wherever it runs
+  (portable numerics): the qualifying low-precision run closest to float32's loss; float32
+  (``O0``) when none qualifies.
+
+**Ties** keep identical runs giving the same answer: runs whose measure (median step time,
+peak memory) is within :data:`TIE` (10%) of the best one are tied, and a tie goes, in this
+order, to a run that is not *cautioned* (a preset the docs warn about: low-precision weights
+without float32 masters, ``O3``/``O3-bf16``, whose updates can round away), to the run closest
+to float32's loss (float32 itself first), then to the earlier candidate. Loss distances are
+the same from run to run (same seeds, same batches); times are not, so they only decide when
+they differ by more than the noise.
+
+How fast each runs here is also ranked apart: :func:`fastest` ("fastest here", float32
+included) and :func:`safest` ("safest numerics", the qualifying low-precision run closest to
+float32's loss). :func:`verdicts` gives every run one line: ``recommended``, the float32
+reference, or why it was rejected.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from mixprec.advisor.report import PolicyRun
+from mixprec.errors import AdviceError
 
 __all__ = [
+    "OBJECTIVES",
     "REFERENCE",
+    "TIE",
+    "best_of",
+    "check_objective",
     "fastest",
     "loss_distance",
     "qualifies",
@@ -40,6 +59,12 @@ __all__ = [
 
 #: The float32 policy every other run is measured against.
 REFERENCE = "O0"
+
+#: What the recommendation optimises: the first is the default.
+OBJECTIVES = ("speed", "memory", "numerics")
+
+#: Runs whose step time (or memory) is within this fraction of the best one's are tied.
+TIE = 0.10
 
 
 def loss_distance(losses: Sequence[float], reference: Sequence[float]) -> float:
@@ -92,32 +117,99 @@ def _qualified(
     return [r for r in runs if qualifies(r, tolerance, max_skip_fraction, steps)]
 
 
+def _tie_key(
+    run: PolicyRun, cautioned: Collection[str], order: Sequence[PolicyRun]
+) -> tuple[bool, float, int]:
+    distance = run.loss_distance if run.loss_distance is not None else math.inf
+    return (run.policy in cautioned, distance, order.index(run))
+
+
+def best_of(
+    pool: Sequence[PolicyRun],
+    measure: Callable[[PolicyRun], float],
+    cautioned: Collection[str],
+    order: Sequence[PolicyRun],
+) -> PolicyRun:
+    """The run of ``pool`` with the smallest ``measure``; among those within :data:`TIE` of
+    it, the one the tie rule prefers (not cautioned, closest to float32's loss, earliest in
+    ``order``)."""
+    least = min(measure(r) for r in pool)
+    tied = [r for r in pool if measure(r) <= least * (1 + TIE)]
+    return min(tied, key=lambda r: _tie_key(r, cautioned, order))
+
+
+def _memory(run: PolicyRun) -> float:
+    return math.inf if run.peak_memory is None else float(run.peak_memory)
+
+
+def check_objective(objective: str) -> str:
+    """``objective`` if it is one of :data:`OBJECTIVES`; else :class:`AdviceError`."""
+    if objective not in OBJECTIVES:
+        raise AdviceError(
+            f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {objective!r}; "
+            "'speed' (the default) picks the fastest policy on this machine"
+        )
+    return objective
+
+
 def recommend(
-    runs: Sequence[PolicyRun], tolerance: float, max_skip_fraction: float, steps: int
+    runs: Sequence[PolicyRun],
+    tolerance: float,
+    max_skip_fraction: float,
+    steps: int,
+    objective: str = "speed",
+    cautioned: Collection[str] = (),
 ) -> tuple[str, str]:
-    """The fastest qualifying low-precision run's policy and the reason; float32 (``O0``)
-    when no low-precision run qualifies."""
-    lowp = [
-        r for r in _qualified(runs, tolerance, max_skip_fraction, steps) if r.policy != REFERENCE
-    ]
+    """The policy that best meets ``objective`` among the qualifying runs, and the reason
+    (see the module docstring); float32 (``O0``) when nothing else qualifies."""
+    check_objective(objective)
+    qualified = _qualified(runs, tolerance, max_skip_fraction, steps)
+    order = list(runs)
+    base = next((r for r in runs if r.policy == REFERENCE and r.median_time), None)
+    healthy = f"loss within {tolerance:g} of float32's, at most {max_skip_fraction:.0%} skipped"
+    tie = f"ties within {TIE:.0%} go to the run closest to float32's loss"
+    lowp = [r for r in qualified if r.policy != REFERENCE]
     if not lowp:
         return REFERENCE, (
             "no low-precision policy trained within tolerance; float32 is the safe choice"
         )
-    best = min(lowp, key=_time)
-    base = next((r for r in runs if r.policy == REFERENCE and r.median_time), None)
+    if objective == "numerics":
+        best = min(lowp, key=lambda r: _tie_key(r, cautioned, order))
+        speed = ""
+        if base is not None and best.median_time:
+            speed = f"; {_time(base) / best.median_time:.2f}x float32's speed here"
+        return best.policy, (
+            f"objective numerics: of {len(lowp)} low-precision policies with {healthy}, the "
+            f"closest to float32's loss (distance {best.loss_distance or 0.0:.3f}){speed}"
+        )
+    if objective == "memory":
+        pool = [r for r in qualified if r.peak_memory is not None]
+        if not pool:
+            return REFERENCE, "objective memory: no run's memory was measured; float32 stays"
+        best = best_of(pool, _memory, cautioned, order)
+        return best.policy, (
+            f"objective memory: the smallest peak memory ({_mib(best.peak_memory)}) of "
+            f"{len(pool)} policies with {healthy}; {tie}"
+        )
+    best = best_of([r for r in qualified if r.median_time], _time, cautioned, order)
+    if best.policy == REFERENCE:
+        quickest = min(lowp, key=_time)
+        return REFERENCE, (
+            f"objective speed: no low-precision policy is over {TIE:.0%} faster than float32 "
+            f"on this machine (the fastest, {quickest.policy}, runs at "
+            f"{_time(best) / _time(quickest):.2f}x float32's speed); objective 'numerics' "
+            "names the one to train in where low precision is fast"
+        )
     speed = ""
     if base is not None and best.median_time:
         speed = f", {_time(base) / best.median_time:.2f}x float32's speed here"
-    which = (
-        f"fastest of {len(lowp)} low-precision policies"
-        if len(lowp) > 1
-        else "the only low-precision policy"
-    )
     return best.policy, (
-        f"{which} whose loss stays within {tolerance:g} of float32's with at most "
-        f"{max_skip_fraction:.0%} skipped steps{speed}"
+        f"objective speed: the fastest of {len(qualified)} policies with {healthy}{speed}; {tie}"
     )
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
 
 
 def fastest(
@@ -148,9 +240,12 @@ def verdicts(
     tolerance: float,
     max_skip_fraction: float,
     steps: int,
+    objective: str = "speed",
+    cautioned: Collection[str] = (),
 ) -> list[str]:
     """One line per run, in order: ``"recommended"``, the float32 reference, or
-    ``"rejected: <why>"``."""
+    ``"rejected: <why>"`` (for a run that qualified: what the recommended one does better,
+    by ``objective``)."""
     chosen = next((r for r in runs if r.policy == recommended), None)
     quickest = fastest(runs, tolerance, max_skip_fraction, steps)
     lines = []
@@ -162,14 +257,43 @@ def verdicts(
             line = "float32 reference" + (f", and {why}" if why else "")
         elif why is not None:
             line = f"rejected: {why}"
-        elif chosen is not None and chosen.median_time:
-            line = f"rejected: {_time(run) / chosen.median_time:.2f}x slower than {recommended}"
         else:
-            line = "rejected: slower than the recommended policy"
+            line = "rejected: " + _lost(run, chosen, recommended, objective, cautioned)
         if run.policy == quickest and run.policy != recommended:
             line += "; fastest here"
         lines.append(line)
     return lines
+
+
+def _lost(
+    run: PolicyRun,
+    chosen: PolicyRun | None,
+    recommended: str,
+    objective: str,
+    cautioned: Collection[str],
+) -> str:
+    """Why a qualifying run lost to ``chosen`` under ``objective``."""
+    if chosen is None:
+        return f"{recommended} was preferred"
+    if objective == "numerics":
+        return (
+            f"loss distance {run.loss_distance or 0.0:.3f}, {recommended}'s "
+            f"{chosen.loss_distance or 0.0:.3f}"
+        )
+    if objective == "memory":
+        return f"{_mib(run.peak_memory)}, {recommended} {_mib(chosen.peak_memory)}"
+    if chosen.median_time and run.median_time:
+        ratio = run.median_time / chosen.median_time
+        if ratio <= 1 + TIE:
+            if run.policy in cautioned and recommended not in cautioned:
+                why = "the docs warn about it"
+            elif (run.loss_distance or 0.0) > (chosen.loss_distance or 0.0):
+                why = "farther from float32's loss"
+            else:
+                why = "a later candidate"
+            return f"as fast as {recommended} within {TIE:.0%} (a tie); {why}"
+        return f"{ratio:.2f}x slower than {recommended}"
+    return f"slower than {recommended}"
 
 
 def timing_notes(runs: Sequence[PolicyRun], spread: float = 3.0) -> list[str]:

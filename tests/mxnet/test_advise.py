@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,3 +138,33 @@ def test_module_sensitivity_reads_blocked_bfloat16_activations() -> None:
     # is off by bfloat16 rounding; the module's gradients are compared as one vector
     by_module = {s.module: s for s in report.sensitivity}
     assert by_module["0"].grad_error < 0.5, by_module["0"]
+
+
+def _piped(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mixprec", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+
+
+#: What MXNet's C++ log prints when a oneDNN bfloat16 kernel does not exist on this CPU.
+NATIVE_LOG = "could not create a primitive descriptor iterator"
+
+
+def test_no_framework_log_lines_in_backends_or_the_advisor(tmp_path: Path) -> None:
+    """``mixprec backends`` and the advisor, in fresh processes as a user runs them: MXNet's
+    oneDNN lines (C++ writes to fd 2) do not print; the advisor says why O1-bf16 has no
+    block rows."""
+    proc = _piped("backends", cwd=tmp_path)
+    assert proc.returncode == 0 and "mxnet" in proc.stdout
+    assert NATIVE_LOG not in proc.stderr and ".cc:" not in proc.stderr, proc.stderr
+    docs = Path(__file__).resolve().parents[2] / "docs" / "advisor.md"
+    text = docs.read_text(encoding="utf-8").split("<!-- advisor: factory my_gluon_advice.py -->")
+    (tmp_path / "my_gluon_advice.py").write_text(
+        text[1].split("```python\n", 1)[1].split("\n```", 1)[0] + "\n"
+    )
+    proc = _piped("advise", "my_gluon_advice:factory", "--candidates", "O1-bf16",
+                  "--steps", "3", "--out", "advice", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert NATIVE_LOG not in proc.stderr and ".cc:" not in proc.stderr, proc.stderr
+    assert all(line.startswith("advise mxnet: ") for line in proc.stderr.splitlines())
+    assert "no module measured (the notes say why)" in proc.stdout
+    assert "MXNet's O1 casts ops inside the hybridized graph" in proc.stdout

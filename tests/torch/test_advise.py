@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -117,7 +120,8 @@ class Overflowing(nn.Module):
 
 def test_fp16_with_the_rule_is_recommended_when_its_only_skips_are_the_warm_up() -> None:
     report = mpt.advise(Overflowing(), sgd, tiny_batches(), nn.functional.cross_entropy,
-                        candidates=["O1"], steps=4, progress=False)  # fmt: skip
+                        candidates=["O1"], steps=4, progress=False,
+                        objective="numerics")  # fmt: skip
     tuned = "base=O1,path:big=float32"
     assert report.rules == ["path:big=float32"] and report.tuned_policy == tuned
     # judged on its numerics: the scaler's warm-up ran before the run and is not a skip
@@ -125,7 +129,8 @@ def test_fp16_with_the_rule_is_recommended_when_its_only_skips_are_the_warm_up()
     assert (run.warmup_skips, run.initial_scale, run.skipped_steps) == (2, 16384.0, 0)
     assert run.loss_scales == [16384.0] * 4 and run.loss_distance is not None
     assert run.loss_distance < 0.01 * report.tolerance
-    assert report.recommended == tuned  # fp16 with the rule, whether or not fp16 is fast here
+    # numerics: fp16 with the rule, whether or not fp16 is fast here
+    assert report.recommended == tuned and report.objective == "numerics"
     assert report.safest == tuned and report.fastest in ("O0", tuned)
     # every run says why it lost, in the table, the JSON and the plots' labels
     assert run.verdict == "recommended"
@@ -238,3 +243,85 @@ def test_demo_advisor_writes_non_empty_plots(
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert json.loads(paths["json"].read_text())["backend"] == "torch"
     assert "O2-bf16" in capsys.readouterr().out
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "advisor.md"
+
+
+def _docs_block(marker: str) -> str:
+    """The fenced block right after ``<!-- advisor: MARKER -->`` on the advisor page."""
+    text = DOCS.read_text(encoding="utf-8")
+    after = text.split(f"<!-- advisor: {marker} -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("\n```", 1)[0] + "\n"
+
+
+def _mixprec(*args: str, cwd: Path, pre: str = "") -> subprocess.CompletedProcess[str]:
+    """``mixprec ARGS`` in a fresh process, output piped, as a user's shell runs it."""
+    code = f"{pre}import sys\nfrom mixprec.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+
+
+def test_the_pages_pytorch_script_runs_as_written(tmp_path: Path) -> None:
+    (tmp_path / "script.py").write_text(_docs_block("torch snippet"))
+    proc = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recommended: " in proc.stdout and "objective: speed" in proc.stdout
+    assert (tmp_path / "advice" / "recommended.toml").is_file()
+
+
+def test_the_pages_factory_file_runs_under_the_command(tmp_path: Path) -> None:
+    """The page's complete my_advice.py, written by the user in their folder, run by the
+    command the page shows: piped, a line per candidate; only mixprec's own lines."""
+    (tmp_path / "my_advice.py").write_text(_docs_block("factory my_advice.py"))
+    proc = _mixprec("advise", "my_advice:factory", "--candidates", "O1-bf16,O2-bf16",
+                    "--steps", "4", "--out", "advice/", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recommended: " in proc.stdout and "advice/report.json" in proc.stdout
+    lines = proc.stderr.splitlines()
+    for n, policy in enumerate(("O0", "O1-bf16", "O2-bf16"), 1):
+        assert any(line.startswith(f"advise torch: [{n}/3] {policy}: ") for line in lines)
+    # nothing but the advisor's progress lines: no warnings of the copies, no framework logs
+    assert all(line.startswith("advise torch: ") for line in lines), lines
+    assert sorted(p.name for p in (tmp_path / "advice").glob("*.png")) == [
+        "loss_curves.png", "loss_scale.png", "sensitivity.png", "time_vs_distance.png",
+    ]  # fmt: skip
+
+
+def test_a_bad_out_is_refused_before_any_training(tmp_path: Path) -> None:
+    (tmp_path / "my_advice.py").write_text(
+        "def factory():\n    raise SystemExit('the factory ran: training would follow')\n"
+    )
+    (tmp_path / "notes.txt").write_text("a file")
+    for out, said in (("notes.txt/advice", "is under notes.txt, a file"),
+                      ("notes.txt", "is a file")):  # fmt: skip
+        proc = _mixprec("advise", "my_advice:factory", "--out", out, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"mixprec: error: --out {out!r} {said}, not a folder")
+        assert "factory ran" not in proc.stderr + proc.stdout
+    assert (tmp_path / "notes.txt").read_text() == "a file"
+
+
+def test_without_matplotlib_the_run_says_so_at_its_start_and_writes_no_plots(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "my_advice.py").write_text(_docs_block("factory my_advice.py"))
+    proc = _mixprec("advise", "my_advice:factory", "--candidates", "O1-bf16", "--steps", "3",
+                    "--out", "advice", cwd=tmp_path,
+                    pre="import sys\nsys.modules['matplotlib'] = None\n")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("mixprec: warning: matplotlib is not installed, so this run writes")
+    assert "pip install 'mixprec[advise]'" in first
+    assert (tmp_path / "advice" / "report.json").is_file()
+    assert not list((tmp_path / "advice").glob("*.png"))
+    assert "plots:  none (pip install 'mixprec[advise]')" in proc.stdout
+
+
+def test_advise_help_names_no_file_of_a_clone() -> None:
+    proc = _mixprec("advise", "--help", cwd=Path.cwd())
+    assert proc.returncode == 0
+    assert "examples.advise_demo" not in proc.stdout and "my_advice:factory" in proc.stdout
+    assert "--objective {speed,memory,numerics}" in proc.stdout
