@@ -12,7 +12,8 @@ variables of a worker set. POLICY is a preset with a bf16 compute dtype (``O1-bf
 - ``mixprec``: ``mixprec.mxnet.Trainer`` under POLICY, as a user writes it.
 
 CASE is ``skip`` (worker rank 1 puts an inf into one gradient at INJECT_STEP) or ``equal``
-(plain training; rank 0 also trains a single-process copy on the concatenated batch).
+(plain training; rank 0 also trains a single-process copy on the concatenated batch) or
+``dead`` (rank 1 exits at INJECT_STEP; rank 0 records the DistributedError it gets).
 Each worker starts from differently seeded weights: the kvstore must broadcast rank 0's.
 """
 
@@ -204,6 +205,10 @@ def main(mode: str, case: str, policy: str, index: int, outdir: Path) -> None:
     tmp = outdir / f"worker{index}.json.tmp"
     tmp.write_text(json.dumps(result))
     tmp.rename(outdir / f"worker{index}.json")  # atomic: the test never reads half a file
+    if case == "dead":  # the engine still waits for the dead worker: no clean shutdown
+        import os
+
+        os._exit(0)
 
 
 def run(mode: str, case: str, policy: str, index: int) -> dict[str, Any]:
@@ -217,6 +222,8 @@ def run(mode: str, case: str, policy: str, index: int) -> dict[str, Any]:
     loop = LOOPS[mode](net, kvstore, policy)
     initial = loop.state()
     result["initial_params"], result["initial_masters"] = initial["params"], initial["masters"]
+    if case == "dead":
+        return dead_worker(loop, rank, x[shard], y[shard], workers * LOCAL_BATCH, result)
     result["steps"] = [
         loop.step(
             x[shard],
@@ -239,6 +246,29 @@ def run(mode: str, case: str, policy: str, index: int) -> dict[str, Any]:
             ref.step(x, y, batch_size=workers * LOCAL_BATCH, inject=False)
         result["reference_masters"] = ref.state()["masters"]
     nd.waitall()
+    return result
+
+
+def dead_worker(
+    loop: Any, rank: int, x: nd.NDArray, y: nd.NDArray, batch_size: int, result: dict[str, Any]
+) -> dict[str, Any]:
+    """CASE ``dead``: rank 1 dies at INJECT_STEP (before its backward); rank 0 must get a
+    DistributedError within MIXPREC_OVERFLOW_TIMEOUT, not hang."""
+    import os
+    import time
+
+    from mixprec.errors import DistributedError
+
+    for step in range(STEPS):
+        if rank == 1 and step == INJECT_STEP:
+            os._exit(0)  # a crash: no goodbye to the scheduler or the server
+        started = time.monotonic()
+        try:
+            loop.step(x, y, batch_size=batch_size, inject=False)
+        except DistributedError as err:
+            result.update(error=str(err), waited=time.monotonic() - started, step=step)
+            return result
+    result["error"] = None
     return result
 
 

@@ -72,7 +72,9 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def run_cluster(mode: str, case: str, policy: str, workdir: Path) -> list[dict[str, Any]]:
+def run_cluster(
+    mode: str, case: str, policy: str, workdir: Path, **extra_env: str
+) -> list[dict[str, Any]]:
     """Run CASE on a scheduler, a server and two workers; return the results, rank 0 first.
 
     Everything is killed after CLUSTER_TIMEOUT seconds at the latest (ps-lite waits forever
@@ -87,6 +89,7 @@ def run_cluster(mode: str, case: str, policy: str, workdir: Path) -> list[dict[s
         DMLC_NUM_WORKER=str(NUM_WORKERS),
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="",
+        **extra_env,
     )
     roles = [("scheduler", [sys.executable, "-c", "import mxnet"])]
     roles.append(("server", [sys.executable, "-c", "import mxnet"]))
@@ -108,7 +111,9 @@ def run_cluster(mode: str, case: str, policy: str, workdir: Path) -> list[dict[s
                     start_new_session=True,
                 )
         # workers first: the scheduler and the server exit once the workers have finished
-        for name in [*(n for n in procs if n.startswith("worker")), "server", "scheduler"]:
+        # (not after a worker died: they wait for it for ever, and are killed below)
+        last = [] if case == "dead" else ["server", "scheduler"]
+        for name in [*(n for n in procs if n.startswith("worker")), *last]:
             try:
                 procs[name].wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -124,13 +129,37 @@ def run_cluster(mode: str, case: str, policy: str, workdir: Path) -> list[dict[s
             for name in procs
         )
         pytest.fail(f"{mode}/{case}/{policy}: workers failed or timed out: {bad}\n{logs}")
-    results = [json.loads((workdir / f"worker{i}.json").read_text()) for i in range(NUM_WORKERS)]
+    files = [workdir / f"worker{i}.json" for i in range(NUM_WORKERS)]
+    if case == "dead":  # the worker that died wrote nothing
+        files = [f for f in files if f.exists()]
+    results = [json.loads(f.read_text()) for f in files]
     results.sort(key=lambda r: r["rank"])
-    assert [r["rank"] for r in results] == list(range(NUM_WORKERS))
+    ranks = [r["rank"] for r in results]
+    assert ranks == ([0] if case == "dead" else list(range(NUM_WORKERS)))
     for r in results:
         assert r["num_workers"] == NUM_WORKERS
         assert r.pop("mixprec_warnings") == [], f"rank {r['rank']} warned"
     return results
+
+
+DEAD_TIMEOUT = 4.0
+
+
+@pytest.mark.parametrize("policy", ["O1-bf16", "O2-bf16"])
+def test_a_dead_worker_is_a_distributed_error_within_the_timeout(
+    policy: str, tmp_path: Path
+) -> None:
+    """Rank 1 exits at step INJECT_STEP; rank 0's step used to wait in the kvstore for
+    ever. Now its overflow check's wait is bounded by MIXPREC_OVERFLOW_TIMEOUT."""
+    started = time.monotonic()
+    results = run_cluster(
+        "mixprec", "dead", policy, tmp_path, MIXPREC_OVERFLOW_TIMEOUT=str(DEAD_TIMEOUT)
+    )
+    alive = results[0]
+    assert alive["step"] == INJECT_STEP
+    assert "MIXPREC_OVERFLOW_TIMEOUT" in alive["error"] and "restart" in alive["error"]
+    assert DEAD_TIMEOUT <= alive["waited"] < DEAD_TIMEOUT + 10
+    assert time.monotonic() - started < CLUSTER_TIMEOUT
 
 
 def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:

@@ -51,24 +51,85 @@ Limits, each refused with a message rather than left to hang:
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import mxnet as mx
 from mxnet import nd
 
-from mixprec.errors import UnsupportedDtypeError, WrapError
+from mixprec.errors import DistributedError, PolicyError, UnsupportedDtypeError, WrapError
 from mixprec.kit import BFLOAT16
 
 from ..dtypes import dtype_name
 from ..gluon_private import is_deferred
 
 __all__ = [
+    "ENV_TIMEOUT",
     "FOUND_INF_KEY",
     "all_reduce_found_inf",
+    "bounded_wait",
     "init_kvstore_eagerly",
     "is_distributed",
+    "overflow_timeout",
 ]
+
+#: The setting torch's backend reads for its overflow all-reduce: one bound for both.
+ENV_TIMEOUT = "MIXPREC_OVERFLOW_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+
+
+def overflow_timeout() -> float:
+    """Seconds a worker waits for the others in the step's collectives under a dist
+    kvstore (``MIXPREC_OVERFLOW_TIMEOUT``, default 300; read at each wait)."""
+    raw = os.environ.get(ENV_TIMEOUT)
+    if raw is None or not raw.strip():
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise PolicyError(
+            f"{ENV_TIMEOUT} must be a positive, finite number of seconds, got {raw!r}; "
+            f"the default is {DEFAULT_TIMEOUT:g}"
+        )
+    return seconds
+
+
+def bounded_wait(arrays: Sequence[nd.NDArray], what: str) -> None:
+    """Wait for ``arrays`` (results of kvstore collectives) at most :func:`overflow_timeout`
+    seconds, then raise :class:`~mixprec.errors.DistributedError`.
+
+    MXNet's engine waits in C++ with no timeout, and ps-lite's ``dist_sync`` waits for every
+    worker's push without bound: a worker that died leaves the others blocked for ever. The
+    wait runs on a helper thread; this thread gives up after the bound. The engine itself
+    stays blocked, so the process cannot train on: the error says to exit and restart the
+    job from its last checkpoint.
+    """
+    timeout = overflow_timeout()
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            for array in arrays:
+                array.wait_to_read()
+        except BaseException:
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="mixprec-kvstore-wait", daemon=True).start()
+    if not done.wait(timeout):
+        raise DistributedError(
+            f"{what} waited {timeout:g} s ({ENV_TIMEOUT}) for the other dist kvstore "
+            "workers: one of them died or stalls (a crash, data loading, a failed host). "
+            "MXNet cannot cancel the wait, so this process cannot train on: exit (os._exit, "
+            "the engine does not shut down cleanly now) and restart the job from its last "
+            f"checkpoint; raise {ENV_TIMEOUT} if a worker is only slow"
+        )
+
 
 #: The kvstore key that carries the overflow flags. Gluon keys parameters 0..n-1; ps-lite
 #: hashes an int key as ``key * 9973`` in 32 bits, so a reserved key must stay below
@@ -139,10 +200,13 @@ def init_kvstore_eagerly(trainer: mx.gluon.Trainer) -> Any:
         still_deferred = {id(p) for p in trainer._params_to_init}
         # The broadcast pulls write the weights asynchronously; wait for them so no gradient
         # push of this worker can overtake them at the server.
-        for param in pending:
-            if id(param) not in still_deferred:
-                for arr in param.list_data():
-                    arr.wait_to_read()
+        pulled = [
+            arr for param in pending if id(param) not in still_deferred for arr in param.list_data()
+        ]
+        if distributed:
+            bounded_wait(pulled, "the kvstore's first broadcast of the weights")
+        for arr in pulled:
+            arr.wait_to_read()
     if distributed:
         _init_flag_key(kvstore)
     return kvstore
@@ -176,6 +240,8 @@ def all_reduce_found_inf(kvstore: Any, found_inf: nd.NDArray | Sequence[nd.NDArr
     # pushpull, as gluon.Trainer does for dense gradients: with no updater on the server,
     # dist_sync stores the sum of one push per worker and every pull returns that sum
     kvstore.pushpull(FOUND_INF_KEY, local, out=total)
+    # the one host read of the step, after every gradient's pushpull: bounded (a dead worker)
+    bounded_wait([total], "the step's overflow check (a kvstore pushpull)")
     return total.as_in_context(ctx)
 
 
