@@ -60,6 +60,10 @@ def build(kind: str, seed: int = 0) -> tuple[Any, Any, Any, int]:
             net.add(nn.Dense(2048), nn.GELU())
         batch, x = 256, mx.nd.random.normal(shape=(256, 2048))
         y = mx.nd.random.randint(0, 2048, shape=(256,)).astype("float32")
+    elif kind == "tiny":  # for the op-count test: Dense 8 -> 16 -> 4
+        net.add(nn.Dense(16, in_units=8, activation="relu"), nn.Dense(4, in_units=16))
+        batch, x = 8, mx.nd.random.normal(shape=(8, 8))
+        y = mx.nd.random.randint(0, 4, shape=(8,)).astype("float32")
     else:
         raise ValueError(f"unknown model {kind!r}")
     net.initialize(mx.init.Xavier(), ctx=mx.cpu())
@@ -197,12 +201,158 @@ def cpu_time_ratios(kinds: list[str], contenders: list[str], reps: int) -> list[
     return lines
 
 
+def _mixprec_trainer(kind: str, optimizer: str, policy: str) -> tuple[Any, Callable[[], None]]:
+    """A mixprec Trainer on a fresh ``kind`` model and its forward + backward (no step)."""
+    import mxnet as mx
+    from mxnet import autograd, gluon
+
+    import mixprec
+
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    net, x, y, batch = build(kind)
+    params = dict(OPT_PARAMS, momentum=0.9) if optimizer == "sgd" else dict(OPT_PARAMS)
+    trainer = mixprec.mxnet.Trainer(net, optimizer, params, policy=policy)
+
+    def backward() -> None:
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+            with trainer.scale_loss(loss) as scaled:
+                autograd.backward(scaled)
+        mx.nd.waitall()
+
+    trainer.batch = batch
+    return trainer, backward
+
+
+def _switch(multi: bool) -> None:
+    import os
+
+    from mixprec_mxnet.step.multi_tensor import ENV
+
+    os.environ[ENV] = "1" if multi else "0"
+
+
+def ops_per_step(kind: str, optimizer: str, multi: bool, policy: str = "O2-bf16") -> dict[str, int]:
+    """The MXNet ops one ``trainer.step()`` runs (MXNet's profiler, aggregate counts by op
+    name), on the multi-tensor path or the per-parameter one."""
+    import json
+    import os
+    import tempfile
+
+    import mxnet as mx
+
+    _switch(multi)
+    trainer, backward = _mixprec_trainer(kind, optimizer, policy)
+    for _ in range(2):  # optimizer state made, kvstore and caches settled
+        backward()
+        trainer.step(trainer.batch)
+    backward()
+    with tempfile.TemporaryDirectory() as tmp:
+        mx.profiler.set_config(
+            profile_imperative=True,
+            aggregate_stats=True,
+            filename=os.path.join(tmp, "profile.json"),
+        )
+        mx.profiler.dumps(reset=True)
+        mx.profiler.set_state("run")
+        trainer.step(trainer.batch)
+        mx.nd.waitall()
+        mx.profiler.set_state("stop")
+        stats = json.loads(mx.profiler.dumps(reset=True, format="json"))
+    ops = stats.get("Time", {}).get("operator", {})
+    engine = {"DeleteVariable", "WaitForVar"}  # the engine's bookkeeping, not ops
+    return {name: int(row["Count"]) for name, row in ops.items() if name not in engine}
+
+
+def python_calls_per_step(kind: str, optimizer: str, multi: bool) -> int:
+    """Python function calls (``sys.setprofile`` call events) in one ``trainer.step()``."""
+    import sys
+
+    import mxnet as mx
+
+    _switch(multi)
+    trainer, backward = _mixprec_trainer(kind, optimizer, "O2-bf16")
+    for _ in range(2):
+        backward()
+        trainer.step(trainer.batch)
+    backward()
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        trainer.step(trainer.batch)
+    finally:
+        sys.setprofile(None)
+    mx.nd.waitall()
+    return calls
+
+
+def step_cpu_time(kind: str, optimizer: str, multi: bool, policy: str, reps: int) -> float:
+    """Median CPU time of ``trainer.step()`` alone (the update part: casts, the overflow
+    check, the optimizer, the write-back), after a forward and backward not timed."""
+    import statistics
+    import time
+
+    import mxnet as mx
+
+    _switch(multi)
+    trainer, backward = _mixprec_trainer(kind, optimizer, policy)
+    times = []
+    for i in range(reps + 2):
+        backward()
+        start = time.process_time()
+        trainer.step(trainer.batch)
+        mx.nd.waitall()
+        if i >= 2:
+            times.append(time.process_time() - start)
+    return statistics.median(times)
+
+
+def ops_report(kinds: list[str], optimizers: list[str], reps: int) -> list[str]:
+    """Lines: MXNet ops and Python calls per ``trainer.step()``, per-parameter path vs
+    multi-tensor path, and the step's CPU time under O2-bf16 and O0 (float32 weights)."""
+    lines = []
+    for kind in kinds:
+        for optimizer in optimizers:
+            before = ops_per_step(kind, optimizer, multi=False)
+            after = ops_per_step(kind, optimizer, multi=True)
+            calls = [python_calls_per_step(kind, optimizer, m) for m in (False, True)]
+            lines.append(
+                f"{kind} {optimizer:<6} ops/step {sum(before.values()):4d} -> "
+                f"{sum(after.values()):4d}   python calls/step {calls[0]:6d} -> {calls[1]:6d}"
+            )
+            lines.append(f"    before: {dict(sorted(before.items()))}")
+            lines.append(f"    after:  {dict(sorted(after.items()))}")
+            for policy in ("O2-bf16", "O0"):
+                t = [step_cpu_time(kind, optimizer, m, policy, reps) for m in (False, True)]
+                lines.append(
+                    f"    trainer.step() CPU time, {policy}: {t[0] * 1e3:.2f} -> "
+                    f"{t[1] * 1e3:.2f} ms ({t[1] / t[0]:.2f}x)"
+                )
+    return lines
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Gluon step CPU time, round robin")
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--reps", type=int, default=12)
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="MXNet ops and Python calls per trainer.step(), per-parameter vs multi-tensor "
+        "path (MIXPREC_MXNET_MULTI_TENSOR=0/1), and trainer.step()'s CPU time",
+    )
+    parser.add_argument("--optimizers", default="adam,adamw,sgd")
     args = parser.parse_args()
-    for line in cpu_time_ratios(args.models.split(","), list(IN_PROCESS), args.reps):
-        print(line)
+    if args.ops:
+        for line in ops_report(args.models.split(","), args.optimizers.split(","), args.reps):
+            print(line, flush=True)
+    else:
+        for line in cpu_time_ratios(args.models.split(","), list(IN_PROCESS), args.reps):
+            print(line)

@@ -20,12 +20,15 @@ not). The iteration:
    :mod:`~..compensated.compensation` fills before it and rounds back into the bfloat16
    weights after it.
 
-Cost per step beyond ``gluon.Trainer``'s update, for O2 with float32 masters: one
-``amp_cast`` per gradient (model -> master), one ``dot`` per gradient (its squared norm, for
-the overflow check: :func:`count_nonfinite`), and one ``amp_cast`` per weight (master ->
-model). The optimizer itself goes through Gluon's updater, which already uses MXNet's
-multi-tensor kernels where the optimizer has them (``multi_sgd_mom_update``...). No scaling
-(the bfloat16 default) adds no multiplication: ``rescale_grad`` carries the batch size alone.
+Cost per step beyond ``gluon.Trainer``'s update, for O2 with float32 masters, per context:
+one ``amp_multicast`` for all gradients (model -> master), ``multi_sum_sq`` + ``sum`` +
+``all_finite`` for the overflow check, and one ``amp_multicast`` for all weights (master ->
+model); SGD, momentum, AdamW and LAMB update every master in one multi-tensor op per 45-50
+arrays, Adam one ``adam_update`` per parameter (:mod:`.multi_tensor`, issue 34).
+``MIXPREC_MXNET_MULTI_TENSOR=0`` keeps the per-parameter path: one ``amp_cast`` per gradient,
+one ``dot`` per gradient (:func:`count_nonfinite`), one ``amp_cast`` per weight and Gluon's
+updater. No scaling (the bfloat16 default) adds no multiplication: ``rescale_grad`` carries
+the batch size alone.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from mixprec.kit import FLOAT32, NORM_LIMIT, OverflowRecord, Stage
 
 from ..dtypes import cast, cast_into, dtype_name, mx_dtype
 from ..gluon_private import consume_fresh_grad, has_fresh_grad
-from . import distributed
+from . import distributed, multi_tensor
 from .trainer_state import TrainerState, names_by_id
 
 __all__ = [
@@ -125,6 +128,9 @@ def reduce_grads(st: TrainerState, trainer: gluon.Trainer) -> None:
     distributed.init_kvstore_eagerly(trainer)
     kvstore = trainer._kvstore
     summed = {id(p) for p, _ in st.accumulation.accumulating()}
+    # the casts batched: one amp_multicast per dtype pair (issue 34)
+    staged: list[tuple[int, list[nd.NDArray], list[nd.NDArray]]] = []
+    casts: list[tuple[nd.NDArray, nd.NDArray]] = []
     for i, param in enumerate(st.params):
         if param.grad_req == "null":
             continue
@@ -134,14 +140,26 @@ def reduce_grads(st: TrainerState, trainer: gluon.Trainer) -> None:
         grads = final if id(param) in summed else param.list_grad()
         # `arrays`/`final` are the model's own gradients where dtypes agree: no copy then
         if arrays is not grads:
-            for src, dst in zip(grads, arrays, strict=True):
-                cast_into(src, dst)
+            casts.extend(zip(grads, arrays, strict=True))
+        staged.append((i, arrays, final))
+    _cast_all(casts)
+    casts = []
+    for i, arrays, final in staged:
         if kvstore is not None:
             kvstore.pushpull(i, arrays, priority=-i)
         if final is not arrays:
-            for src, dst in zip(arrays, final, strict=True):
-                cast_into(src, dst)
+            casts.extend(zip(arrays, final, strict=True))
+    _cast_all(casts)
     st.reduced = True
+
+
+def _cast_all(pairs: Sequence[tuple[nd.NDArray, nd.NDArray]]) -> None:
+    """``cast_into`` each (source, target) pair: batched on the multi-tensor path."""
+    if multi_tensor.enabled():
+        multi_tensor.cast_pairs(pairs)
+    else:
+        for src, dst in pairs:
+            cast_into(src, dst)
 
 
 # ---------------------------------------------------------------------- 3. unscale
@@ -197,7 +215,8 @@ def _found_inf(st: TrainerState, trainer: gluon.Trainer) -> bool:
     per_context = list(zip(*trainable_grads(st), strict=True))
     if not per_context:
         return False
-    flags = [count_nonfinite(grads) for grads in per_context]
+    check = multi_tensor.count_nonfinite if multi_tensor.enabled() else count_nonfinite
+    flags = [check(grads) for grads in per_context]
     stats = st.running_stats.flag() if st.running_stats is not None else None
     if stats is not None:  # a huge batch can overflow BatchNorm with finite gradients
         flags[0] = flags[0] + stats.as_in_context(flags[0].context)
@@ -255,9 +274,14 @@ def _update(st: TrainerState, trainer: gluon.Trainer, ignore_stale_grad: bool) -
     for updater, upd in zip(trainer._updaters, updates, strict=True):
         if upd:
             indices, grads, weights = zip(*upd, strict=True)
-            updater(list(indices), list(grads), list(weights))
+            multi_tensor.update(updater, indices, grads, weights)  # or updater(...)
     if compensation is not None:  # round back into bfloat16, the residual or noise kept
         copies = compensation.store(copies)
+    if multi_tensor.enabled():  # write_model for each pair (none the strategy keeps), batched
+        _cast_all(copies)
+        if st.transient:
+            _cast_all([(data, weight) for weight, data in copies])
+        return
     for weight, data in copies:
         write_model(st, weight, data)
 
