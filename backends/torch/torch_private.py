@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "active_ddp_module",
     "compiled_inner",
+    "dcp_init_optimizer_state",
     "dispatch_key",
     "excluding",
     "fake_tensor_mode",
@@ -29,6 +31,7 @@ __all__ = [
     "foreach_copy_",
     "foreach_norm_float32",
     "foreach_zero_",
+    "fsdp_mixed_precision",
     "has_scaled_mm",
     "in_backward",
     "is_scheduler_step_wrapper",
@@ -202,6 +205,55 @@ def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
         return None
     inner = getattr(module, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) else None
+
+
+# -------------------------------------------------------------------------------------------
+# distributed wrappers: DDP, FSDP2, DCP
+
+
+def active_ddp_module() -> Any:
+    """The ``DistributedDataParallel`` whose forward is running now (None outside one).
+
+    Why private: ``DistributedDataParallel._active_ddp_module`` is how DDP tells its own
+    compiled-region optimizer which DDP runs; a wrapped model has no public way to learn the
+    DDP around it, and its process group is where mixprec's overflow consensus must run.
+    """
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return getattr(DistributedDataParallel, "_active_ddp_module", None)
+
+
+def fsdp_mixed_precision(module: torch.nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` FSDP2's ``fully_shard`` gave ``module`` (None when
+    ``module`` is not an ``FSDPModule``).
+
+    Why private: FSDP2 keeps it only in the module's state (``FSDPModule._get_fsdp_state()``,
+    field ``_mp_policy``); there is no public getter, and ``wrap`` must refuse a user's
+    ``fully_shard(mp_policy=...)`` that computes in another dtype than the policy.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - builds without distributed
+        return None
+    if not isinstance(module, FSDPModule):
+        return None
+    return getattr(module._get_fsdp_state(), "_mp_policy", None)
+
+
+def dcp_init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """DCP's own initialisation of an optimizer without state: zero gradients, every ``lr``
+    set to 0, one ``optimizer.step()`` (the step recognises it, see
+    :func:`mixprec_torch.step.checkpoint.is_dcp_init_step`).
+
+    Why private: ``torch.distributed.checkpoint.state_dict._init_optim_state`` is what
+    ``get_state_dict``/``set_state_dict`` run; calling the same function keeps mixprec's
+    state dicts shaped exactly like DCP's.
+    """
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
 
 
 # -------------------------------------------------------------------------------------------
@@ -549,6 +601,23 @@ def problems() -> list[str]:
     (leaf * 2).sum().backward()
     need(seen == [True], "torch._C._current_graph_task_id no longer tells backward apart")
     _check_dispatch(need)
+    if torch.distributed.is_available():
+        from torch.distributed.checkpoint import state_dict as dcp_state_dict
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        need(
+            hasattr(DistributedDataParallel, "_active_ddp_module"),
+            "DistributedDataParallel._active_ddp_module is gone",
+        )
+        need(
+            callable(getattr(FSDPModule, "_get_fsdp_state", None)),
+            "FSDPModule._get_fsdp_state is gone",
+        )
+        need(
+            callable(getattr(dcp_state_dict, "_init_optim_state", None)),
+            "torch.distributed.checkpoint.state_dict._init_optim_state is gone",
+        )
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.optim.lr_scheduler.StepLR(opt, 1)

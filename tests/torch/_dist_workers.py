@@ -292,7 +292,216 @@ def stalled_peer(rank: int, world: int) -> Result:
     return result
 
 
+# --------------------------------------------------------------------------------------------
+# scale-out (issue 37): FSDP after wrap, a user's FSDP2 mixed precision, DCP, process groups
+
+
+def _raised(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def _one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    x, y = batch(rank)
+    train_step(model, optimizer, x, y)
+
+
+def fsdp_after_wrap(rank: int, world: int) -> Result:
+    """wrap, then a plain fully_shard (or FSDP1 with use_orig_params=True): the first step
+    refuses instead of training nothing; FSDP1 before wrap names the FSDP2 recipe."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    def plain() -> torch.nn.Module:
+        torch.manual_seed(0)  # no BatchNorm: FSDP shards one dtype only
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    out: Result = {}
+    model = plain()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O2-bf16")
+    fully_shard(model)
+    masters = values(list(mpt.master_params(optimizer)))
+    out["fully_shard"] = _raised(lambda: _one_step(model, optimizer, rank))
+    out["fully_shard_masters_unchanged"] = values(list(mpt.master_params(optimizer))) == masters
+    out["fully_shard_steps"] = int(mpt.state(optimizer).steps)
+
+    model = plain()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O2-bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP1's deprecation
+        fsdp1 = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+    out["fsdp1_after"] = _raised(lambda: _one_step(fsdp1, optimizer, rank))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fsdp1 = FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"))
+    opt1 = torch.optim.SGD(fsdp1.parameters(), lr=0.1)
+    out["fsdp1_before"] = _raised(lambda: mpt.wrap(fsdp1, opt1, policy="O2-bf16"))
+    return out
+
+
+def fsdp_user_mp(rank: int, world: int) -> Result:
+    """A user's own fully_shard(mp_policy=...) is read: float16 under O2-bf16 is refused,
+    bfloat16 under O2-bf16 trains (over the FSDP mesh's group)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from mixprec_torch.step.distributed import consensus_group
+
+    out: Result = {}
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out["float16"] = _raised(lambda: mpt.wrap(model, optimizer, policy="O2-bf16"))
+    out["float16_not_wrapped"] = not hasattr(optimizer, "_mixprec")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O2-bf16")
+    before = full_params(model)
+    _one_step(model, optimizer, rank)
+    out["bfloat16_moved"] = full_params(model) != before
+    mesh = next(iter(model.parameters())).device_mesh
+    out["consensus_is_mesh_group"] = consensus_group(optimizer._mixprec.group) is mesh.get_group()
+    return out
+
+
+def dcp_resume(rank: int, world: int) -> Result:
+    """DCP under DDP (O2, float16) and FSDP2 (O2-bf16 and O2): two
+    steps, get_state_dict + dcp.save, a fresh model loads it (dcp.load + set_state_dict),
+    both train two more steps: the same numbers. torch's own set_state_dict on FSDP2 runs its
+    dummy step without a StepOrderError and without counting it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
+
+    from mixprec_torch.step.checkpoint import get_state_dict, set_state_dict
+
+    def build(kind: str, policy: str) -> tuple[Any, Any, Any]:
+        model = make_model()
+        if kind == "fsdp":
+            fully_shard_with_policy(model, policy)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, optimizer = mpt.wrap(model, optimizer, policy=policy)
+        runner = DistributedDataParallel(model) if kind == "ddp" else model
+        return model, optimizer, runner
+
+    def snapshot(model: Any, optimizer: Any, kind: str) -> Any:
+        params = full_params(model) if kind == "fsdp" else values(list(model.parameters()))
+        masters = [
+            (m.full_tensor() if kind == "fsdp" else m).detach().float().flatten().tolist()
+            for m in mpt.master_params(optimizer)
+        ]
+        return params, masters, state_of(optimizer), int(mpt.state(optimizer).steps)
+
+    out: Result = {}
+    x, y = batch(rank)
+    for kind, policy in (("ddp", "O2"), ("fsdp", "O2-bf16"), ("fsdp", "O2")):
+        name = f"{kind}-{policy}"
+        model, optimizer, runner = build(kind, policy)
+        for _ in range(2):
+            train_step(runner, optimizer, x, y)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        path = WORKDIR / f"dcp-{name}"
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        model2, optimizer2, runner2 = build(kind, policy)
+        model_sd2, optim_sd2 = get_state_dict(model2, optimizer2)  # the dummy step: not counted
+        steps_after_template = int(mpt.state(optimizer2).steps)
+        loaded = {"model": model_sd2, "optim": optim_sd2}
+        dcp.load(loaded, checkpoint_id=str(path))
+        set_state_dict(
+            model2, optimizer2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+        )
+        resumed = snapshot(model2, optimizer2, kind) == snapshot(model, optimizer, kind)
+        for _ in range(2):
+            train_step(runner, optimizer, x, y)
+            train_step(runner2, optimizer2, x, y)
+        out[name] = {
+            "template_steps": steps_after_template,
+            "has_mixprec_entry": "mixprec" in optim_sd,
+            "resumed_equal": resumed,
+            "continued_equal": snapshot(model2, optimizer2, kind)
+            == snapshot(model, optimizer, kind),
+            "steps": int(mpt.state(optimizer2).steps),
+        }
+    # torch's own function on FSDP2 (the optimizer's params are the model's): its dummy step
+    model, optimizer, _ = build("fsdp", "O2")
+    out["torch_fsdp_dummy_step"] = _raised(lambda: torch_get_state_dict(model, optimizer))
+    out["torch_fsdp_dummy_counted"] = int(mpt.state(optimizer).steps)
+    return out
+
+
+def process_groups(rank: int, world: int) -> Result:
+    """The overflow consensus runs where the gradients are reduced: a model only rank 0 trains
+    (process_group="local") makes no collective; DDP over a subgroup reduces over it; an
+    explicit group is used as given."""
+    from mixprec_torch.step.distributed import consensus_group
+
+    out: Result = {}
+    if rank == 0:  # a probe trained on rank 0 only: with WORLD, gloo aborts on a mismatch
+        probe = torch.nn.Linear(8, 4)
+        popt = torch.optim.SGD(probe.parameters(), lr=0.1)
+        probe, popt = mpt.wrap(probe, popt, policy="O2", process_group="local")
+        x, y = batch(rank)
+        for _ in range(3):
+            train_step(probe, popt, x, y)
+        out["local_steps"] = int(mpt.state(popt).steps)
+    sub = dist.new_group(ranks=list(range(world)))
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O2")
+    ddp = DistributedDataParallel(model, process_group=sub)
+    x, y = batch(rank)
+    train_step(ddp, optimizer, x, y)
+    out["ddp_subgroup"] = consensus_group(optimizer._mixprec.group) is sub
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O2", process_group=sub)
+    train_step(DistributedDataParallel(model, process_group=sub), optimizer, x, y)
+    out["explicit"] = consensus_group(optimizer._mixprec.group) is sub
+    out["bad"] = _raised(lambda: mpt.wrap(torch.nn.Linear(2, 2), policy="O2", process_group="x"))
+    dist.barrier()  # every rank still makes the same collective calls
+    return out
+
+
+def ddp_timeout(rank: int, world: int) -> Result:
+    """Rank 1 fails before backward (it stays alive and never reaches DDP's all-reduce): rank 0,
+    in DDP's gradient all-reduce over a group made with process_group_timeout(), fails after
+    MIXPREC_OVERFLOW_TIMEOUT seconds, not torch's 30 minutes."""
+    from mixprec_torch.step.distributed import process_group_timeout, set_overflow_timeout
+
+    set_overflow_timeout(STALL_WAIT)
+    group = dist.new_group(ranks=list(range(world)), timeout=process_group_timeout())
+    set_overflow_timeout(None)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mpt.wrap(model, optimizer, policy="O2")
+    ddp = DistributedDataParallel(model, process_group=group)
+    x, y = batch(rank)
+    result: Result = {}
+    if rank == 0:
+        start = time.monotonic()
+        result["raised"] = _raised(lambda: train_step(ddp, optimizer, x, y))
+        result["waited"] = time.monotonic() - start
+        (WORKDIR / "timeout.done").write_text("done")
+    else:
+        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        while not (WORKDIR / "timeout.done").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # "failed before backward": never joins DDP's all-reduce
+    dist.barrier()  # on the default group, which is untouched
+    return result
+
+
 SCENARIOS: dict[str, Callable[[int, int], Result]] = {
+    "fsdp_after_wrap": fsdp_after_wrap,
+    "fsdp_user_mp": fsdp_user_mp,
+    "dcp_resume": dcp_resume,
+    "process_groups": process_groups,
+    "ddp_timeout": ddp_timeout,
     "stalled_peer": stalled_peer,
     "ddp_skip": ddp_skip,
     "ddp_bf16": ddp_bf16,

@@ -338,12 +338,12 @@ def test_a_rank_without_gradients_still_joins_the_found_inf_reduction(
 
     calls: list[float] = []
 
-    def spy(found: torch.Tensor, **_: Any) -> torch.Tensor:
+    def spy(found: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
         calls.append(found.item())
         # what the MAX all-reduce returns when another rank saw an inf
         return found.fill_(1.0) if other_rank_overflowed else found
 
-    monkeypatch.setattr(step_module, "is_distributed", lambda: True)
+    monkeypatch.setattr(step_module, "is_distributed", lambda *_: True)
     monkeypatch.setattr(step_module, "all_reduce_found_inf", spy)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -366,7 +366,9 @@ def test_a_single_process_without_gradients_makes_no_collective_call(
     import mixprec_torch.step.protocol as step_module
 
     calls: list[torch.Tensor] = []
-    monkeypatch.setattr(step_module, "all_reduce_found_inf", lambda f, **_: calls.append(f) or f)
+    monkeypatch.setattr(
+        step_module, "all_reduce_found_inf", lambda f, *_, **__: calls.append(f) or f
+    )
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2-bf16")
@@ -395,3 +397,206 @@ def test_wrap_refuses_a_model_sharded_under_another_policy(one_rank_group: Any) 
     model, optimizer = sharded()
     model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2-bf16")  # the same: fine
     assert fsdp_policy_of(model) == mixprec.torch.state(optimizer).policy
+
+
+# --------------------------------------------------------------------------------------------
+# scale-out (issue 37): each finding, run as it was found (two gloo ranks)
+
+
+@pytest.fixture(scope="module")
+def scale_out(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(
+        ["fsdp_after_wrap", "fsdp_user_mp", "dcp_resume", "process_groups"],
+        tmp_path_factory.mktemp("scale_out"),
+    )
+
+
+@two_ranks
+def test_fsdp_after_wrap_is_refused_at_the_first_step(scale_out: list[dict[str, Any]]) -> None:
+    for r in scenario(scale_out, "fsdp_after_wrap"):
+        # wrap, then a plain fully_shard: trained nothing before; now the first step refuses
+        assert r["fully_shard"].startswith("WrapError: the wrapped model's parameters")
+        assert "fully_shard_with_policy" in r["fully_shard"]
+        assert r["fully_shard_masters_unchanged"] and r["fully_shard_steps"] == 0
+        # wrap, then FSDP1 (use_orig_params=True): a size-mismatch crash before
+        assert r["fsdp1_after"].startswith("WrapError: the wrapped model's parameters")
+        # FSDP1, then wrap: the recipe it names is FSDP2's, which trains (fsdp_bf16 above)
+        assert r["fsdp1_before"].startswith("WrapError: model 0 is wrapped in Fully")
+        assert "fully_shard_with_policy" in r["fsdp1_before"]
+
+
+@two_ranks
+def test_a_users_fsdp2_mixed_precision_is_read(scale_out: list[dict[str, Any]]) -> None:
+    for r in scenario(scale_out, "fsdp_user_mp"):
+        assert r["float16"].startswith("WrapError: the model was sharded with fully_shard(")
+        assert "float16" in r["float16"] and "O2-bf16" in r["float16"]
+        assert r["float16_not_wrapped"]
+        assert r["bfloat16_moved"]  # the matching dtype is accepted and trains
+        assert r["consensus_is_mesh_group"]  # the overflow flag goes over FSDP's mesh
+
+
+@two_ranks
+def test_dcp_saves_and_resumes_exactly(scale_out: list[dict[str, Any]]) -> None:
+    for r in scenario(scale_out, "dcp_resume"):
+        for name in ("ddp-O2", "fsdp-O2-bf16", "fsdp-O2"):
+            got = r[name]
+            assert got["has_mixprec_entry"], name
+            assert got["template_steps"] == 0, f"{name}: DCP's dummy step was counted"
+            assert got["resumed_equal"], f"{name}: params, masters or scaler differ after load"
+            assert got["continued_equal"], f"{name}: training after the resume differs"
+            assert got["steps"] == 4
+        assert r["torch_fsdp_dummy_step"] == ""  # no StepOrderError under float16
+        assert r["torch_fsdp_dummy_counted"] == 0
+
+
+@two_ranks
+def test_the_overflow_consensus_runs_where_gradients_are_reduced(
+    scale_out: list[dict[str, Any]],
+) -> None:
+    r0, r1 = scenario(scale_out, "process_groups")
+    assert r0["local_steps"] == 3 and "local_steps" not in r1  # rank 0 alone, no abort
+    for r in (r0, r1):
+        assert r["ddp_subgroup"] and r["explicit"]
+        assert r["bad"].startswith("WrapError: process_group='x'")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_gloo
+def test_ddps_all_reduce_is_bounded_by_the_same_setting(tmp_path: Path) -> None:
+    """A rank that fails before backward: its peer waits in DDP's all-reduce for the process
+    group's timeout, which process_group_timeout() sets from MIXPREC_OVERFLOW_TIMEOUT."""
+    r0, r1 = (by_name["ddp_timeout"] for by_name in run_ranks(["ddp_timeout"], tmp_path))
+    assert r1 == {"warnings": []}
+    assert "Timed out" in r0["raised"]
+    assert 1.9 < r0["waited"] < 15.0  # STALL_WAIT is 2 s; torch's default is 30 minutes
+
+
+LIGHTNING_WORKER = Path(__file__).with_name("_lightning_ddp_worker.py")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _lightning_results(strategy: str, workdir: Path, configs: str) -> dict[str, list[Any]]:
+    pytest.importorskip("lightning")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MIXPREC_DISABLE_PLUGINS="mxnet")
+    port = str(_free_port())
+    ranks = ["0", "1"] if strategy == "ddp" else ["0"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(LIGHTNING_WORKER), strategy, r, str(workdir), port, configs],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for r in ranks
+    ]
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    out: dict[str, list[Any]] = {}
+    for name in configs.split(","):
+        files = [workdir / f"{strategy}-{name}-rank{r}.json" for r in (0, 1)]
+        if not all(f.exists() for f in files):
+            pytest.fail(f"{strategy} {name} did not finish:\n" + "\n".join(s[-3000:] for s in logs))
+        out[name] = [json.loads(f.read_text()) for f in files]
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_gloo
+def test_lightning_ddp_with_the_plugin_matches_lightnings_bf16_mixed(tmp_path: Path) -> None:
+    got = _lightning_results(
+        "ddp", tmp_path, "mixprec-O1-bf16,lightning-bf16-mixed,mixprec-O2-bf16"
+    )
+    for name, (a, b) in got.items():
+        assert a["params"] == b["params"], f"{name}: ranks diverged"
+        assert a["losses"] != b["losses"]  # each rank saw its own data
+    mine, theirs = got["mixprec-O1-bf16"], got["lightning-bf16-mixed"]
+    for r in (0, 1):
+        assert mine[r]["losses"] == theirs[r]["losses"]  # autocast's numbers, bit for bit
+        assert mine[r]["params"] == theirs[r]["params"]
+    for r, lightning in zip(got["mixprec-O2-bf16"], theirs, strict=True):
+        assert r["dtypes"] == ["torch.bfloat16"] and r["steps"] == 4 and r["skipped"] == 0
+        assert r["consensus_is_ddp_group"] and r["ddp_over_converted"]
+        gaps = [abs(x - y) for x, y in zip(r["losses"], lightning["losses"], strict=True)]
+        assert max(gaps) < 1e-2  # bfloat16 weights: close to autocast's float32 ones
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_gloo
+def test_lightning_ddp_spawn_with_the_plugin_trains(tmp_path: Path) -> None:
+    (a, b) = _lightning_results("ddp_spawn", tmp_path, "mixprec-O2-bf16")["mixprec-O2-bf16"]
+    assert a["params"] == b["params"]
+    for r in (a, b):
+        assert r["steps"] == 4 and r["consensus_is_ddp_group"] and r["ddp_over_converted"]
+
+
+# --------------------------------------------------------------------------------------------
+# scale-out, one process
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_state_dicts_of_a_plain_wrapped_model_resume_exactly(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from mixprec_torch.step.checkpoint import get_state_dict, set_state_dict
+
+    def build() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return mixprec.torch.wrap(model, optimizer, policy="O2")
+
+    def step(model: Any, optimizer: Any) -> None:
+        optimizer.zero_grad()
+        loss = model(torch.ones(3, 4)).float().square().mean()
+        with mixprec.torch.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+
+    model, optimizer = build()
+    for _ in range(2):
+        step(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    assert optim_sd["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert optim_sd["mixprec"]["tracker"] == {"steps": 2}
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True
+    )
+    model2, optimizer2 = build()
+    templates = dict(zip(("model", "optim"), get_state_dict(model2, optimizer2), strict=True))
+    assert mixprec.torch.state(optimizer2).steps == 0  # the dummy step under float16: silent
+    dcp.load(templates, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    set_state_dict(
+        model2, optimizer2, model_state_dict=templates["model"], optim_state_dict=templates["optim"]
+    )
+    a, b = mixprec.torch.state(optimizer2), mixprec.torch.state(optimizer)
+    assert (a.loss_scale, a.steps, a.skipped_steps) == (b.loss_scale, b.steps, b.skipped_steps)
+    for _ in range(2):
+        step(model, optimizer)
+        step(model2, optimizer2)
+    for a, b in zip(
+        mixprec.torch.master_params(optimizer), mixprec.torch.master_params(optimizer2), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
+def test_a_parameter_replaced_after_wrap_is_refused_at_the_first_step() -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = mixprec.torch.wrap(model, optimizer, policy="O2-bf16")
+    model.weight = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16))
+    model(torch.ones(1, 2)).float().sum().backward()
+    with pytest.raises(mixprec.WrapError, match=r"weight replaced"):
+        optimizer.step()
+    assert mixprec.torch.state(optimizer).steps == 0

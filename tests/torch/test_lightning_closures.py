@@ -145,16 +145,18 @@ def test_the_lightning_digits_example_trains(capsys: pytest.CaptureFixture[str])
     assert "precision bf16-mixed, policy O2-bf16" in out  # its asserts check the accuracy
 
 
-def test_a_strategy_that_wraps_the_module_first_is_refused_clearly() -> None:
+def test_a_ddp_strategy_converts_the_module_inside_its_ddp() -> None:
+    """Lightning's DDP wraps the module before the plugin sees it; the plugin converts the
+    module inside and the strategy builds its DDP again (two ranks: test_distributed.py)."""
     module = Net()
     environ = dict(os.environ)
     tr = trainer("O2-bf16", 1, strategy="ddp")
     try:
-        with pytest.raises(WrapError, match="single-device strategy"):
-            tr.fit(module, DataLoader(data(), batch_size=BATCH))
+        tr.fit(module, DataLoader(data(), batch_size=BATCH))
     finally:  # undo the one-rank gloo group and the variables Lightning's DDP set up
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
-    assert module.net[0].weight.dtype == torch.float32
+    assert module.net[0].weight.dtype == torch.bfloat16
+    assert mpt.state(tr.optimizers[0]).steps > 0

@@ -6,8 +6,11 @@ scaler, the masters and the step stay ``mixprec.torch.wrap``'s:
 
 - ``connect`` (after ``configure_optimizers``) calls ``wrap(lightning_module, optimizers,
   policy)``. Schedulers built in ``configure_optimizers`` keep working (``wrap`` re-wraps
-  their step counter). Lightning's DDP/FSDP strategies wrap the module before ``connect``,
-  where mixprec can no longer convert it: they are refused with a ``WrapError``.
+  their step counter). Lightning's DDP strategies (``"ddp"``, ``"ddp_spawn"``) wrap the
+  module in DDP before ``connect``: the plugin converts the module inside, then has the
+  strategy build its DDP again over the converted parameters (the first DDP's buckets were
+  laid out for float32); the overflow consensus runs over that DDP's process group. FSDP
+  strategies are refused with a ``WrapError``.
 - ``pre_backward`` multiplies the loss by the loss scale (in float32), as ``scale_loss``
   does. Like ``torch.amp.GradScaler`` under Lightning's own ``MixedPrecision`` plugin, a
   backward pass is not tied to an optimizer: the next ``optimizer_step`` (or
@@ -39,6 +42,7 @@ steps after separate backward passes, as with ``GradScaler``).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import warnings
 from collections.abc import Callable, Generator, Iterator
@@ -51,6 +55,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.errors import CheckpointError, MixprecError, MixprecWarning, StepOrderError, WrapError
 from mixprec.kit import (
@@ -93,6 +98,37 @@ def lightning_precision_name(policy: Policy) -> str:
     if is_low_precision(policy.compute) or is_low_precision(policy.param):
         return f"{short}-mixed"
     return "32-true"
+
+
+def _lightning_module_in(ddp: DistributedDataParallel) -> nn.Module:
+    """The module inside Lightning's DDP."""
+    inner: nn.Module = ddp.module
+    return inner
+
+
+def _rebuild_ddp(old: DistributedDataParallel, module: LightningModule) -> nn.Module:
+    """Lightning's DDP again, built by its strategy over the module ``wrap`` converted.
+
+    Lightning wraps the module in DDP before the precision plugin sees the optimizers; that
+    DDP's gradient buckets were laid out for the float32 parameters, and its autograd hooks
+    sit on them. The old DDP is dropped (its reducer removes its hooks when it is freed) and
+    the strategy builds a new one, with its own settings, over the converted parameters.
+    """
+    strategy = module.trainer.strategy
+    setup = getattr(strategy, "_setup_model", None)
+    if setup is None:  # pragma: no cover - a DDP made by a strategy without the method
+        raise WrapError(
+            f"MixprecPrecision cannot rebuild the DistributedDataParallel of "
+            f"{type(strategy).__name__}; use strategy='ddp' or 'ddp_spawn'"
+        )
+    del old
+    gc.collect()  # the old reducer's autograd hooks go with it, before the new DDP's come
+    ddp = setup(module)
+    strategy.model = ddp
+    register = getattr(strategy, "_register_ddp_hooks", None)
+    if callable(register):
+        register()  # the strategy's communication hooks (CUDA only in Lightning)
+    return ddp  # type: ignore[no-any-return]
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
@@ -153,12 +189,16 @@ class MixprecPrecision(Precision):
         self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Wrap the module and the optimizers ``configure_optimizers`` built."""
+        ddp = None
+        if isinstance(model, DistributedDataParallel):
+            ddp, model = model, _lightning_module_in(model)
         if not isinstance(model, LightningModule):
             raise WrapError(
                 f"MixprecPrecision got the LightningModule already wrapped in "
-                f"{type(model).__name__} by the strategy; mixprec must convert the bare module "
-                "before DDP/FSDP wraps it, which Lightning's strategies do not allow yet. Use a "
-                "single-device strategy (or mixprec.torch.wrap in your own DDP loop)"
+                f"{type(model).__name__} by the strategy; mixprec converts the bare module, "
+                "and supports Lightning's DDP strategies (strategy='ddp', 'ddp_spawn') and "
+                "single-device ones. For FSDP use Lightning's own precision, or your own loop "
+                "with mixprec.torch.fully_shard_with_policy and mixprec.torch.wrap"
             )
         self._refuse_closure_optimizers(optimizers)
         record = getattr(model, "_mixprec", None)
@@ -177,6 +217,8 @@ class MixprecPrecision(Precision):
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
+        if ddp is not None:
+            return _rebuild_ddp(ddp, model), optimizers, lr_schedulers
         return model, optimizers, lr_schedulers
 
     def _refuse_closure_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:

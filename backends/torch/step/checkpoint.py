@@ -17,6 +17,19 @@ tracker and the resolved policy under the ``"mixprec"`` key
 (:func:`optimizer_state_dict` and :func:`load_optimizer_state_dict`, the ``state_dict`` and
 ``load_state_dict`` of the patched optimizer class). ``mixprec.torch.save`` is ``torch.save``
 written atomically (temporary file, fsync, rename).
+
+**DCP** (``torch.distributed.checkpoint``). torch's ``get_state_dict`` keys the optimizer
+state by the model's parameter names, which it finds by looking up the optimizer's
+parameters in the model: the float32 masters are not there (``KeyError``), and the
+``"mixprec"`` entry is dropped. :func:`get_state_dict` and :func:`set_state_dict` are the same
+functions for wrapped models (plain, DDP, FSDP2): the model part is torch's
+(``get_model_state_dict``: the masters' exact values through the hooks above, DTensor shards
+under FSDP2), the optimizer part is the wrapped optimizer's own state dict with each index
+replaced by the name of the model parameter its master stands for, the ``"mixprec"`` entry
+kept. DCP's dummy step (torch's ``_init_optim_state``: zero gradients, every ``lr`` 0, one
+``step()`` on an optimizer without state, so that ``dcp.load`` has tensors to load into) is
+recognised by the step (:func:`is_dcp_init_step`): the optimizer's own update runs, nothing is
+counted, checked or scaled.
 """
 
 from __future__ import annotations
@@ -29,17 +42,20 @@ import torch
 from torch import nn
 
 from mixprec.errors import CheckpointError, MixprecError, MixprecWarning, WrapError
-from mixprec.kit import LossScaler, MasterWeights, Policy, atomic_path
+from mixprec.kit import LossScaler, MasterWeights, Policy, Stage, atomic_path
 
 from ..copies import CopyOnly
-from ..torch_private import load_strict, tensor_version
-from .optimizer_state import Iteration, StepCompensation, base_class
+from ..torch_private import dcp_init_optimizer_state, load_strict, tensor_version
+from .optimizer_state import Iteration, StepCompensation, base_class, optimizer_state
 
 __all__ = [
     "ModelCheckpoint",
+    "get_state_dict",
+    "is_dcp_init_step",
     "load_optimizer_state_dict",
     "optimizer_state_dict",
     "save",
+    "set_state_dict",
 ]
 
 _STATE_KEY = "mixprec"
@@ -439,3 +455,122 @@ def _unchanged(cast: torch.Tensor, original: torch.Tensor) -> bool:
     alone does not tell: the CPU batch-norm kernel updates low-precision running statistics
     in place without bumping it."""
     return bool(torch.equal(cast, original.to(device=cast.device, dtype=cast.dtype)))
+
+
+# ------------------------------------------------------------------------------------------
+# DCP: torch.distributed.checkpoint's state dicts
+
+
+def is_dcp_init_step(st: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this ``step()`` is DCP's dummy step (``_init_optim_state``): an optimizer with
+    no state, no backward pass since its last step, every ``lr`` 0 and every gradient zero.
+    The step then runs only the optimizer's own update (it creates the state DCP loads into
+    and, with ``lr`` 0, moves nothing) and counts nothing."""
+    if optimizer.state or st.tracker.stage is not Stage.READY or st.tracker.backwards:
+        return False
+    groups = optimizer.param_groups
+    if not all("lr" in g and float(g["lr"]) == 0.0 for g in groups):
+        return False
+    grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
+    return bool(grads) and all(
+        grad is not None and not bool(torch.count_nonzero(grad)) for grad in grads
+    )
+
+
+def _param_names(st: Any, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Per param group, the name of the model parameter each of its entries stands for."""
+    model_of = {id(m): p for p, m in st.group.masters.copied_pairs()}
+    names = st.group.names
+    out = []
+    for group in optimizer.param_groups:
+        row = []
+        for entry in group["params"]:
+            param = model_of.get(id(entry), entry)
+            name = names.get(id(param))
+            if name is None:
+                raise CheckpointError(
+                    "a parameter of the optimizer is in none of the wrapped models; "
+                    "get_state_dict/set_state_dict need every optimizer parameter to be a "
+                    "model parameter (or its master)"
+                )
+            row.append(name)
+        out.append(row)
+    return out
+
+
+def get_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, options: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's ``get_state_dict`` for a wrapped model (plain, DDP or FSDP2) and its optimizer.
+
+    :returns: ``(model_state_dict, optimizer_state_dict)``: the model's by torch's
+        ``get_model_state_dict`` (exact float32 masters), the optimizer's keyed by parameter
+        name as torch's, with the float32 masters' state and the ``"mixprec"`` entry (loss
+        scale, counts, policy). An optimizer without state gets it first through DCP's own
+        dummy step (not counted), so the dicts serve as ``dcp.load`` templates.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    st = optimizer_state(optimizer, "get_state_dict")
+    if not optimizer.state:
+        dcp_init_optimizer_state(optimizer)
+    model_sd: dict[str, Any] = get_model_state_dict(model, options=options)
+    sd = optimizer.state_dict()
+    names = _param_names(st, optimizer)
+    flat = [name for row in names for name in row]
+    state = {flat[index]: values for index, values in sd["state"].items()}
+    groups = []
+    for row, group in zip(names, sd["param_groups"], strict=True):
+        groups.append({**group, "params": list(row)})
+    out = {"state": state, "param_groups": groups}
+    if _STATE_KEY in sd:
+        out[_STATE_KEY] = sd[_STATE_KEY]
+    return model_sd, out
+
+
+def set_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    model_state_dict: dict[str, Any] | None = None,
+    optim_state_dict: dict[str, Any] | None = None,
+    options: Any = None,
+) -> None:
+    """DCP's ``set_state_dict`` for what :func:`get_state_dict` returned (after ``dcp.load``).
+
+    The model's part goes through torch's ``set_model_state_dict`` (into the masters, then the
+    parameters); the optimizer's is matched by parameter name, group by group, and loaded with
+    the wrapped optimizer's ``load_state_dict`` (the ``"mixprec"`` entry restores the loss
+    scale and the counts).
+
+    :raises CheckpointError: a group whose parameter names differ from the optimizer's;
+        nothing of the optimizer is loaded then.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    st = optimizer_state(optimizer, "set_state_dict")
+    converted = None
+    if optim_state_dict is not None:
+        names = _param_names(st, optimizer)
+        saved_groups = optim_state_dict.get("param_groups", [])
+        if [list(g.get("params", [])) for g in saved_groups] != names:
+            raise CheckpointError(
+                "the optimizer state dict's param groups name other parameters than this "
+                "optimizer's (or in another order); nothing was loaded. Build the optimizer as "
+                "it was when the checkpoint was saved"
+            )
+        index = {name: i for i, name in enumerate(n for row in names for n in row)}
+        saved_state = optim_state_dict.get("state", {})
+        groups = []
+        for row, group in zip(names, saved_groups, strict=True):
+            groups.append({**group, "params": [index[name] for name in row]})
+        converted = {
+            "state": {index[name]: saved_state[name] for name in index if name in saved_state},
+            "param_groups": groups,
+        }
+        if _STATE_KEY in optim_state_dict:
+            converted[_STATE_KEY] = optim_state_dict[_STATE_KEY]
+    if model_state_dict is not None:
+        set_model_state_dict(model, model_state_dict, options=options)
+    if converted is not None:
+        optimizer.load_state_dict(converted)

@@ -18,6 +18,22 @@ message. The all-reduce is therefore asynchronous and waited for at most
 :func:`set_overflow_timeout`); then :class:`~mixprec.errors.DistributedError` names the
 overflow check, the step and what to look for.
 
+**Where the consensus runs.** The flag is reduced over the group that reduces the model's
+gradients, nowhere else (:func:`consensus_group`): ``wrap(..., process_group=...)`` when given
+(``"local"``: a model only this rank trains, no collective at all), else the process group of
+the DDP that ran the model's forward (recorded by a forward pre-hook until the first step), else
+the FSDP2 mesh of its sharded parameters (1-D meshes), else the default group (WORLD).
+
+**Only the wait for this all-reduce is bounded here.** DDP's gradient all-reduce and FSDP's
+collectives run inside backward and forward, under the process group's own timeout: create the
+group with :func:`process_group_timeout` (``init_process_group(..., timeout=...)``) so those
+waits end after the same ``MIXPREC_OVERFLOW_TIMEOUT``.
+
+**The first step checks the model.** At each optimizer's first ``step()``
+(:func:`check_first_step`) the wrapped models' parameters must still be the ones ``wrap``
+converted: ``fully_shard`` or ``FullyShardedDataParallel`` applied *after* ``wrap`` replaces them,
+and the optimizer would step masters the model no longer uses (training that does nothing).
+
 The wrap-time recipes (DDP's reduce hook, FSDP2's ``fully_shard`` under a policy) live in
 :mod:`mixprec_torch.wrapping.sharding`.
 """
@@ -26,18 +42,31 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from typing import Any
 
 import torch
 
-from mixprec.errors import DistributedError, PolicyError
+from mixprec.errors import DistributedError, PolicyError, WrapError
+
+from ..torch_private import active_ddp_module
 
 __all__ = [
+    "LOCAL",
+    "Consensus",
     "all_reduce_found_inf",
+    "check_first_step",
+    "check_process_group",
+    "consensus_group",
     "is_distributed",
     "overflow_timeout",
+    "process_group_timeout",
     "set_overflow_timeout",
 ]
+
+LOCAL = "local"
+"""``wrap(..., process_group="local")``: the model is trained on this rank only (a probe, a
+teacher, an evaluator); its steps join no collective."""
 
 ENV_TIMEOUT = "MIXPREC_OVERFLOW_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
@@ -76,11 +105,167 @@ def _check_timeout(seconds: float, source: str) -> float:
     return float(seconds)
 
 
+def process_group_timeout() -> datetime.timedelta:
+    """:func:`overflow_timeout` as the ``timeout`` of ``torch.distributed.init_process_group``
+    (or ``new_group``): DDP's gradient all-reduce and FSDP's collectives then give up after the
+    same number of seconds as mixprec's overflow check (gloo raises; NCCL needs its async
+    error handling, on by default)."""
+    return datetime.timedelta(seconds=overflow_timeout())
+
+
 def is_distributed(group: Any | None = None) -> bool:
-    """True when ``torch.distributed`` is initialised here and ``group`` has several ranks."""
+    """True when ``torch.distributed`` is initialised here and ``group`` has several ranks
+    (never for :data:`LOCAL`)."""
+    if isinstance(group, str):  # LOCAL
+        return False
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return False
     return bool(torch.distributed.get_world_size(group) > 1)
+
+
+# --------------------------------------------------------------------------------------------
+# where the consensus runs, and the first step's check of the models
+
+
+def check_process_group(process_group: Any) -> Any:
+    """Check ``wrap``'s ``process_group`` argument (before anything changes)."""
+    if process_group is None or process_group == LOCAL:
+        return process_group
+    if isinstance(process_group, str) or not (
+        torch.distributed.is_available()
+        and isinstance(process_group, torch.distributed.ProcessGroup)
+    ):
+        raise WrapError(
+            f"process_group={process_group!r}: pass a torch.distributed.ProcessGroup (the one "
+            "the model's gradients are reduced over, e.g. DDP's process_group), 'local' for a "
+            "model only this rank trains (no collective at all), or None (default: the group of "
+            "the model's DDP/FSDP wrapper, else the default group)"
+        )
+    return process_group
+
+
+class Consensus:
+    """One ``wrap`` call's process group for the overflow consensus, and what finds it.
+
+    :param models: the wrapped models (held weakly).
+    :param requested: ``wrap``'s ``process_group``: a group, :data:`LOCAL`, or None (find it).
+    """
+
+    def __init__(self, models: list[torch.nn.Module], requested: Any) -> None:
+        self.models = [weakref.ref(m) for m in models]
+        self.requested = requested
+        self.found: Any = None
+        """The process group of the DDP that ran a model's forward (None: none seen yet)."""
+        self.resolved = requested is not None
+        self.checked: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The optimizer states whose first step checked the models."""
+        self.hooks: list[Any] = []
+        if requested is None:
+            self.hooks = [m.register_forward_pre_hook(self._record) for m in models]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Consensus:
+        # a copied model's hook still points here: a copy's group has no optimizer steps
+        return self
+
+    def _record(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook until the first step: the DDP running this forward, if any."""
+        if self.found is None and not torch.compiler.is_compiling():
+            ddp = active_ddp_module()
+            if ddp is not None:
+                self.found = getattr(ddp, "process_group", None)
+
+    def group(self) -> Any:
+        """The group the overflow flag is reduced over (None: the default group)."""
+        if self.resolved:
+            return self.requested if self.requested is not None else self.found
+        return self.found
+
+    def resolve(self) -> None:
+        """Fix the group at the first step; the forward hooks go."""
+        if self.resolved:
+            return
+        if self.found is None:
+            self.found = _mesh_group(self.models)
+        self.requested = self.found
+        self.resolved = True
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+
+_CONSENSUS: weakref.WeakKeyDictionary[Any, Consensus] = weakref.WeakKeyDictionary()
+
+
+def register_consensus(wrap_group: Any, models: list[torch.nn.Module], requested: Any) -> None:
+    """Record where ``wrap_group`` (a ``WrapGroup``) reduces its overflow flag."""
+    _CONSENSUS[wrap_group] = Consensus(models, requested)
+
+
+def consensus_group(wrap_group: Any) -> Any:
+    """The process group ``wrap_group``'s overflow flag is reduced over: a group, None (the
+    default group) or :data:`LOCAL`."""
+    if wrap_group is None:
+        return None
+    consensus = _CONSENSUS.get(wrap_group)
+    return None if consensus is None else consensus.group()
+
+
+def _mesh_group(models: list[weakref.ReferenceType[torch.nn.Module]]) -> Any:
+    """The process group of a 1-D FSDP2 mesh the models' parameters are sharded over."""
+    for ref in models:
+        model = ref()
+        for param in () if model is None else model.parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is not None:
+                return mesh.get_group() if mesh.ndim == 1 else None
+    return None
+
+
+def check_first_step(st: Any, optimizer: torch.optim.Optimizer) -> None:
+    """At an optimizer's first ``step()``: refuse models whose parameters were replaced since
+    ``wrap`` (FSDP applied after it), and fix the consensus group. Changes nothing on refusal.
+
+    :raises WrapError: naming the replaced parameters and the recipe that works.
+    """
+    consensus = _CONSENSUS.get(st.group)
+    if consensus is None or st in consensus.checked:
+        return
+    group = st.group
+    replaced: list[str] = []
+    for index, ref in enumerate(consensus.models):
+        model = ref()
+        if model is None:
+            continue
+        current = {id(p) for p in model.parameters()}
+        replaced += [
+            group.names.get(pid, "?")
+            for pid, owner in group.param_models.items()
+            if owner == index and pid not in current
+        ]
+    by_master = {id(m): p for p, m in group.masters.copied_pairs()}
+    replaced += [  # FSDP1 with use_orig_params keeps the objects, as flat shards
+        group.names.get(id(param), "?")
+        for pg in optimizer.param_groups
+        for master in pg["params"]
+        if (param := by_master.get(id(master))) is not None and param.shape != master.shape
+    ]
+    if replaced:
+        shown = ", ".join(replaced[:4]) + (
+            f" and {len(replaced) - 4} more" if len(replaced) > 4 else ""
+        )
+        raise WrapError(
+            f"the wrapped model's parameters are no longer the ones mixprec.torch.wrap converted "
+            f"({shown} replaced): FSDP's fully_shard or FullyShardedDataParallel was applied "
+            "after wrap, or a parameter was re-assigned, so the optimizer would step masters "
+            "the model no longer uses and training would change nothing. Nothing was stepped. "
+            "Shard first, then build the optimizer, then wrap: "
+            "mixprec.torch.fully_shard_with_policy(model, policy); optimizer = "
+            "torch.optim.AdamW(model.parameters()); model, optimizer = "
+            "mixprec.torch.wrap(model, optimizer, policy). FSDP1 (FullyShardedDataParallel) "
+            "is not supported: use FSDP2's fully_shard"
+        )
+    consensus.checked.add(st)
+    consensus.resolve()
 
 
 def all_reduce_found_inf(
@@ -101,7 +286,8 @@ def all_reduce_found_inf(
     ``step`` (the scaler's step count, for the message) and what to look for.
 
     Without ``torch.distributed``, before ``init_process_group``, or with a single rank,
-    the tensor is returned unchanged. ``group`` defaults to the default process group.
+    the tensor is returned unchanged. ``group`` defaults to the default process group;
+    :data:`LOCAL` makes no collective call.
     """
     if not is_distributed(group):
         return found_inf

@@ -79,8 +79,9 @@ from ..torch_private import (
     sparse_values,
     tensor_versions,
 )
+from .checkpoint import is_dcp_init_step
 from .diagnostics import record_overflows
-from .distributed import all_reduce_found_inf, is_distributed
+from .distributed import all_reduce_found_inf, check_first_step, consensus_group, is_distributed
 from .model_edits import (
     cast_grads_into,
     grad_buffers,
@@ -339,8 +340,10 @@ def reduce_found_inf(
     step: int | None = None,
     *,
     found: bool | None = None,
+    group: WrapGroup | None = None,
 ) -> bool:
-    """Whether any flag, on any rank, saw an inf or NaN: the step's one host sync.
+    """Whether any flag, on any rank, saw an inf or NaN: the step's one host sync. The ranks
+    are those of ``group``'s consensus (:func:`~.distributed.consensus_group`).
 
     ``found`` is a verdict already on the host (the native guard pass's), None where there
     is none. In a single process a True verdict decides without a sync, and without device
@@ -352,7 +355,8 @@ def reduce_found_inf(
     still joins the all-reduce with a zero flag whenever ``torch.distributed`` runs several
     ranks.
     """
-    if not is_distributed():
+    pg = consensus_group(group)
+    if not is_distributed(pg):
         if found or not flags:
             return bool(found)
     else:
@@ -363,7 +367,7 @@ def reduce_found_inf(
     total = (
         flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum(0)
     )
-    return bool(all_reduce_found_inf(total, step=step).item())
+    return bool(all_reduce_found_inf(total, pg, step=step).item())
 
 
 # ------------------------------------------------------------------ 5-8. the round and the step
@@ -404,12 +408,15 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
                 group.device,
                 step,
                 found=st.iteration.found_on_host,
+                group=group,
             )
             for st, _ in members
         ]
         found_inf = any(own)  # the scale still updates once, from any member's overflow
     else:  # a NaN batch may poison BatchNorm with finite grads: the guards' flags join
-        found_inf = reduce_found_inf(flags + guard_flags, group.device, step, found=host)
+        found_inf = reduce_found_inf(
+            flags + guard_flags, group.device, step, found=host, group=group
+        )
         own = [found_inf] * len(members)
     for round_guard in group.round_guards:  # before the update: a floor that raises restores
         round_guard.settle(found_inf, scope)
@@ -417,7 +424,9 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
     if found_inf:  # before the update, so skip hooks can already ask which params overflowed
         overflowed = [m for m, o in zip(members, own, strict=True) if o]
         overflowing = record_overflows(step, overflowed)
-    decision = Round(group.scaler.update(found_inf, overflowing))
+    ranked = found_inf and is_distributed(consensus_group(group))  # named by the skip warning
+    rank = torch.distributed.get_rank() if ranked else None
+    decision = Round(group.scaler.update(found_inf, overflowing, rank=rank))
     for (st, _), overflowed_here in zip(members, own, strict=True):
         it = st.iteration
         it.round = decision if overflowed_here == found_inf else Round(overflowed_here)
@@ -457,6 +466,9 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     the round, then skip or step (5) and copy the masters into the model (7); the iteration
     ends either way (:func:`_end`)."""
     st = optimizer_state(self, "optimizer.step()")
+    if closure is None and is_dcp_init_step(st, self):  # DCP's dummy step: never counted
+        return base_class(self).step(self)
+    check_first_step(st, self)  # the models still hold the params wrap converted
     attrs = vars(self)
     if "found_inf" in attrs or "grad_scale" in attrs:
         raise _grad_scaler_driving(st, self)

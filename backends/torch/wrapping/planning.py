@@ -211,6 +211,15 @@ def _check_models(models: Sequence[Any]) -> None:
                 "first, then compile: model, opt = mixprec.torch.wrap(model, opt); "
                 "model = torch.compile(model)"
             )
+        if wrapper is not None and wrapper.startswith("FullyShardedDataParallel"):
+            raise WrapError(
+                f"model {index} is wrapped in FullyShardedDataParallel (FSDP1), which mixprec "
+                "does not support in either order (its flat parameters replace the ones wrap "
+                "converts). Use FSDP2 on the bare float32 model: "
+                "mixprec.torch.fully_shard_with_policy(model, policy); optimizer = "
+                "torch.optim.AdamW(model.parameters()); model, optimizer = "
+                "mixprec.torch.wrap(model, optimizer, policy)"
+            )
         if wrapper is not None:
             raise WrapError(
                 f"model {index} is already wrapped in {wrapper}; mixprec must convert the bare "

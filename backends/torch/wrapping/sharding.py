@@ -54,8 +54,9 @@ import torch
 from mixprec.errors import PolicyError, WrapError
 from mixprec.kit import get_policy, widest
 
-from ..dtypes import torch_dtype
+from ..dtypes import dtype_name, torch_dtype
 from ..sites import plan_model
+from ..torch_private import fsdp_mixed_precision
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "check_fsdp_policy",
+    "check_user_mixed_precision",
     "ddp_reduce_hook",
     "fsdp_mixed_precision_policy",
     "fsdp_policy_of",
@@ -136,9 +138,13 @@ def check_fsdp_policy(module: torch.nn.Module, policy: Policy) -> None:
     policy: FSDP already casts to that policy's dtypes, and mixprec would scale, save and
     report under this one.
 
-    :raises WrapError: naming both policies. Modules sharded without mixprec (no recorded
-        policy) pass.
+    A model sharded by a plain ``fully_shard`` has its ``MixedPrecisionPolicy`` read instead
+    (:func:`check_user_mixed_precision`).
+
+    :raises WrapError: naming both policies, or FSDP's dtype and the policy's.
     """
+    if not any(fsdp_policy_of(m) is not None for m in module.modules()):
+        check_user_mixed_precision(module, policy)
     for name, mod in module.named_modules():
         sharded = fsdp_policy_of(mod)
         if sharded is not None and sharded != policy:
@@ -148,6 +154,40 @@ def check_fsdp_policy(module: torch.nn.Module, policy: Policy) -> None:
                 f"but wrap resolved policy {policy}; wrap with the policy it was sharded "
                 "with, or shard it again with this one"
             )
+
+
+def check_user_mixed_precision(module: torch.nn.Module, policy: Policy) -> None:
+    """Refuse a model whose own ``fully_shard(mp_policy=...)`` computes in another dtype than
+    ``policy``: FSDP2 casts the gathered parameters to its ``param_dtype`` (the shards' own
+    dtype when None), and mixprec would scale, save and report under a policy that is not
+    what runs (float16 with no loss scaling under ``O2-bf16``).
+
+    The root's dtype must be the policy's ``param`` dtype; a submodule's may also be float32
+    (an island such as a BatchNorm). Under policies that keep float32 parameters (O0, O1)
+    every FSDP module must compute in float32, as the op casting expects.
+
+    :raises WrapError: naming the module, FSDP's dtype, the policy and the recipe.
+    """
+    want = policy.param
+    for name, mod in module.named_modules():
+        mp = fsdp_mixed_precision(mod)
+        if mp is None:
+            continue
+        own = next((p.dtype for p in mod.parameters()), torch.float32)
+        dtype = dtype_name(mp.param_dtype if mp.param_dtype is not None else own)
+        allowed = {want} if not name or want == "float32" else {want, "float32"}
+        if dtype in allowed:
+            continue
+        where = f"submodule {name!r}" if name else "the model"
+        raise WrapError(
+            f"{where} was sharded with fully_shard(mp_policy=MixedPrecisionPolicy("
+            f"param_dtype={mp.param_dtype})), so FSDP computes in {dtype}, but wrap resolved "
+            f"policy {policy}, whose parameters are {want}: mixprec would scale, check and "
+            "report under a policy that is not what runs. Nothing was converted. Shard with "
+            "the policy's settings: mixprec.torch.fully_shard_with_policy(model, policy) (or "
+            "fully_shard(module, mp_policy=mixprec.torch.fsdp_mixed_precision_policy(policy))), "
+            "or wrap with the policy that matches FSDP's dtype"
+        )
 
 
 # --------------------------------------------------------------------------------------------

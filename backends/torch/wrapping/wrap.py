@@ -37,6 +37,7 @@ from ..compensated.compensation import Compensation
 from ..devices import capabilities, device_capability, device_key
 from ..dtypes import dtype_name, torch_dtype
 from ..step.checkpoint import ModelCheckpoint
+from ..step.distributed import check_process_group, register_consensus
 from ..step.master_update import prefer_fused_kernel
 from ..step.model_edits import record_param_versions
 from ..step.optimizer import patch_optimizer
@@ -67,6 +68,7 @@ def wrap(
     guard: StepGuard | Mapping[str, Any] | None = None,
     seed: int = 0,
     keep_dtypes: bool = False,
+    process_group: Any = None,
     **overrides: Any,
 ) -> Any:
     """Convert ``models`` (in place) and ``optimizers`` for mixed precision under ``policy``.
@@ -88,6 +90,12 @@ def wrap(
         cast nothing and inputs are not cast at the boundary; op casting (O1) still runs,
         and the low-precision parameters get masters where the policy keeps masters (apex's
         ``cast_model_type=False``).
+    :param process_group: where the per-step overflow flag is all-reduced, so that ranks skip
+        together: the ``torch.distributed.ProcessGroup`` the model's gradients are reduced
+        over; ``"local"`` for a model only this rank trains (a probe, a teacher, an
+        evaluator: its steps make no collective call); None (default) finds it: the group of
+        the DDP running the model's forward, else the 1-D FSDP2 mesh of its parameters, else
+        the default group.
     :param overrides: policy fields (``compute="float16"``, ``loss_scale="dynamic"``...).
     :returns: what was given, in the same shape: ``model``, ``(model, optimizer)``,
         ``([models], [optimizers])``...
@@ -99,6 +107,7 @@ def wrap(
     """
     step_guard = StepGuard.coerce(guard)
     seed = check_seed(seed)
+    process_group = check_process_group(process_group)
     model_list, models_listed = _listify(models)
     opt_list, opts_listed = _listify(optimizers)
     params = check_arguments(model_list, opt_list)
@@ -109,7 +118,7 @@ def wrap(
 
     plan = plan_wrap(model_list, opt_list, params, resolved, device, keep_dtypes=keep_dtypes)
     # ---- nothing was changed above this line; from here on the conversion happens
-    group = apply_plan(plan, step_guard, seed=seed)
+    group = apply_plan(plan, step_guard, seed=seed, process_group=process_group)
 
     logger.info("mixprec.torch.wrap: policy %s on %s", resolved, group.device)
 
@@ -120,8 +129,11 @@ def wrap(
     return out_models, out_opts
 
 
-def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0) -> WrapGroup:
+def apply_plan(
+    plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0, process_group: Any = None
+) -> WrapGroup:
     """Convert the models and optimizers as ``plan`` decided; return the wrap call's group.
+    ``process_group``: where its overflow flag is reduced (see :func:`wrap`).
 
     Nothing here refuses: every check ran in :func:`~mixprec_torch.wrapping.planning.plan_wrap`.
     """
@@ -171,6 +183,8 @@ def apply_plan(plan: WrapPlan, guard: StepGuard | None = None, *, seed: int = 0)
             prefer_fused_kernel(opt)  # float32 masters that mixprec made: one sweep, not ten
     # after the casts: later in-place writes to these are the user's (model_edits)
     record_param_versions(group, [param for param, _ in masters.copied_pairs()])
+    if plan.optimizers:  # the first step checks the models and finds the consensus group
+        register_consensus(group, plan.models, process_group)
     return group
 
 
