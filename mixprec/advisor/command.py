@@ -35,7 +35,7 @@ def load_factory(spec: str) -> Any:
     """The callable named by ``"package.module:function"``."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise AdviceError(f"expected module:function such as 'my_advice:factory', got {spec!r}")
+        raise AdviceError(f"expected module:factory such as 'my_advice:factory', got {spec!r}")
     sys.path.insert(0, str(Path.cwd()))  # as `python -m` does: the current folder's modules
     try:
         module = importlib.import_module(module_name)

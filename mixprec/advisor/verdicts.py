@@ -20,12 +20,13 @@ The **recommendation** answers the question of its ``objective``:
   (``O0``) when none qualifies.
 
 **Ties** keep identical runs giving the same answer: runs whose measure (median step time,
-peak memory) is within :data:`TIE` (10%) of the best one are tied, and a tie goes, in this
-order, to a run that is not *cautioned* (a preset the docs warn about: low-precision weights
-without float32 masters, ``O3``/``O3-bf16``, whose updates can round away), to the run closest
-to float32's loss (float32 itself first), then to the earlier candidate. Loss distances are
-the same from run to run (same seeds, same batches); times are not, so they only decide when
-they differ by more than the noise.
+peak memory) is within :data:`TIE` (10%) of the best one are tied, and so is, for speed, a
+run whose fastest step is within that band (on a busy machine the ranges overlap), and a tie
+goes, in this order, to a run that is not *cautioned* (a preset the docs warn about: low-
+precision weights without float32 masters, ``O3``/``O3-bf16``, whose updates can round
+away), to the run closest to float32's loss (float32 itself first), then to the earlier
+candidate. Loss distances are the same from run to run (same seeds, same batches); times are
+not, so they only decide when they differ by more than the noise.
 
 How fast each runs here is also ranked apart: :func:`fastest` ("fastest here", float32
 included) and :func:`safest` ("safest numerics", the qualifying low-precision run closest to
@@ -129,13 +130,20 @@ def best_of(
     measure: Callable[[PolicyRun], float],
     cautioned: Collection[str],
     order: Sequence[PolicyRun],
+    low: Callable[[PolicyRun], float] | None = None,
 ) -> PolicyRun:
     """The run of ``pool`` with the smallest ``measure``; among those within :data:`TIE` of
     it, the one the tie rule prefers (not cautioned, closest to float32's loss, earliest in
-    ``order``)."""
+    ``order``). With ``low`` (a run's fastest step), a run is also tied when its fastest
+    step is within that band: on a busy machine its range overlaps the best one's."""
     least = min(measure(r) for r in pool)
-    tied = [r for r in pool if measure(r) <= least * (1 + TIE)]
+    band = least * (1 + TIE)
+    tied = [r for r in pool if measure(r) <= band or (low is not None and low(r) <= band)]
     return min(tied, key=lambda r: _tie_key(r, cautioned, order))
+
+
+def _fastest_step(run: PolicyRun) -> float:
+    return min(run.step_times) if run.step_times else math.inf
 
 
 def _memory(run: PolicyRun) -> float:
@@ -191,7 +199,7 @@ def recommend(
             f"objective memory: the smallest peak memory ({_mib(best.peak_memory)}) of "
             f"{len(pool)} policies with {healthy}; {tie}"
         )
-    best = best_of([r for r in qualified if r.median_time], _time, cautioned, order)
+    best = best_of([r for r in qualified if r.median_time], _time, cautioned, order, _fastest_step)
     if best.policy == REFERENCE:
         quickest = min(lowp, key=_time)
         return REFERENCE, (
@@ -284,7 +292,7 @@ def _lost(
         return f"{_mib(run.peak_memory)}, {recommended} {_mib(chosen.peak_memory)}"
     if chosen.median_time and run.median_time:
         ratio = run.median_time / chosen.median_time
-        if ratio <= 1 + TIE:
+        if ratio <= 1 + TIE or _fastest_step(run) <= chosen.median_time * (1 + TIE):
             if run.policy in cautioned and recommended not in cautioned:
                 why = "the docs warn about it"
             elif (run.loss_distance or 0.0) > (chosen.loss_distance or 0.0):
