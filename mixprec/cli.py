@@ -6,6 +6,7 @@ Subcommands:
   ``mixprec backends``               installed backends, versions, capabilities, broken plugins
   ``mixprec advise MODULE:FACTORY``  which policy for your model here (``advisor/command.py``)
   ``mixprec lock POLICY --backend B`` what each op resolves to; ``--check FILE`` names drift
+  ``mixprec docs [PAGE]``            the documentation pages shipped with mixprec
 
 Messages follow one format on stderr: ``mixprec: error: ...`` (exit status 2) for a mistake
 in the arguments or a refused input, ``mixprec: warning: ...`` for each warning
@@ -15,8 +16,10 @@ in the arguments or a refused input, ``mixprec: warning: ...`` for each warning
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import mixprec
 from mixprec.advisor.command import add_parser as add_advise_parser
@@ -32,6 +35,7 @@ from mixprec.engine.plugins import (
 )
 from mixprec.engine.spec import get_policy, preset_names
 from mixprec.engine.visibility import unseen_notes
+from mixprec.errors import MixprecError
 from mixprec.lock import add_parser as add_lock_parser
 from mixprec.policy.grammar import format_loss_scale
 from mixprec.policy.presets import DTYPE_ROLES, builtin_preset_names
@@ -146,13 +150,62 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Where the site is published (``[project.urls]`` Documentation).
+DOCS_URL = "https://mixprec.readthedocs.io"
+
+
+def docs_folder() -> Path | None:
+    """The folder of the documentation pages: shipped in the package (``mixprec/_docs``, from
+    a wheel), else the ``docs/`` of the checkout mixprec runs from; None when neither."""
+    shipped = Path(mixprec.__file__).resolve().parent / "_docs"  # a wheel's package data
+    checkout = Path(mixprec.__file__).resolve().parents[1] / "docs"
+    for folder in (shipped, checkout):
+        if (folder / "index.md").is_file():
+            return folder
+    return None
+
+
+def _title(page: Path) -> str:
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return page.stem
+
+
+def _cmd_docs(args: argparse.Namespace) -> int:
+    folder = docs_folder()
+    if folder is None:
+        raise MixprecError(f"this install carries no documentation pages; read them at {DOCS_URL}")
+    pages = {page.stem: page for page in sorted(folder.glob("*.md"))}
+    if not args.page:
+        print(f"mixprec {mixprec.__version__} documentation, {len(pages)} pages ({folder}):\n")
+        for stem, path in pages.items():
+            print(f"  {stem:<14} {_title(path)}")
+        print(f"\n'mixprec docs PAGE' prints one (Markdown); online: {DOCS_URL}")
+        return 0
+    name = args.page.lower().removesuffix(".md")
+    page = pages.get(name)
+    if page is None:
+        close = difflib.get_close_matches(name, list(pages), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise MixprecError(
+            f"no documentation page {args.page!r}; {hint}the pages: {', '.join(pages)}"
+        )
+    print(str(page) if args.path else page.read_text(encoding="utf-8"), end="")
+    if args.path:
+        print()
+    return 0
+
+
 EPILOG = """examples:
   mixprec policies --brief                 every preset get_policy accepts, roles only
   mixprec explain O1-bf16 softmax          which rule decides softmax's dtype under O1-bf16
   mixprec backends                         what each installed backend computes in here
   mixprec advise mymodel:factory           which policy for your model on this machine
+  mixprec docs troubleshooting             a documentation page, in the terminal
 
-'mixprec COMMAND --help' describes each command; the documentation is in docs/ (make docs).
+'mixprec COMMAND --help' describes each command. The documentation ships with mixprec:
+'mixprec docs' lists its pages; online at https://mixprec.readthedocs.io
 """
 
 
@@ -213,6 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
     backends.set_defaults(run=_cmd_backends)
     add_advise_parser(sub)
     add_lock_parser(sub)
+
+    docs = sub.add_parser(
+        "docs",
+        help="list or print the documentation pages shipped with mixprec",
+        description="List the documentation pages that ship with mixprec (no clone or "
+        f"network needed), or print one as Markdown. Online: {DOCS_URL}",
+        epilog="examples:\n  mixprec docs\n  mixprec docs troubleshooting | less\n"
+        "  mixprec docs errors --path",
+    )
+    docs.add_argument("page", nargs="?", help="a page name, e.g. advisor, errors, guide")
+    docs.add_argument("--path", action="store_true", help="print the page's file path instead")
+    docs.set_defaults(run=_cmd_docs)
     return parser
 
 
