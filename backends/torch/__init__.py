@@ -63,6 +63,7 @@ __all__ = [
     "fp8_statistics",
     "fsdp_mixed_precision_policy",
     "fully_shard_with_policy",
+    "load",
     "master_params",
     "native_dtypes",
     "overflow_records",
@@ -86,6 +87,7 @@ _LAZY = {
     "master_params": "mixprec_torch.step.loop",
     "state": "mixprec_torch.step.loop",
     "save": "mixprec_torch.step.checkpoint",
+    "load": "mixprec_torch.step.checkpoint",
     "checkpoint_context": "mixprec_torch.o1.recompute",
     "MixprecState": "mixprec.kit",
     "capabilities": "mixprec_torch.devices",
@@ -112,7 +114,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mixprec_torch.fp8.statistics import fp8_statistics
     from mixprec_torch.o1.framework_autocast import native_dtypes
     from mixprec_torch.o1.recompute import checkpoint_context
-    from mixprec_torch.step.checkpoint import save
+    from mixprec_torch.step.checkpoint import load, save
     from mixprec_torch.step.diagnostics import (
         dtype_report,
         overflow_records,

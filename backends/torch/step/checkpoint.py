@@ -16,7 +16,9 @@ model's state dict. ``optimizer.state_dict()`` carries the loss-scaler state, th
 tracker and the resolved policy under the ``"mixprec"`` key
 (:func:`optimizer_state_dict` and :func:`load_optimizer_state_dict`, the ``state_dict`` and
 ``load_state_dict`` of the patched optimizer class). ``mixprec.torch.save`` is ``torch.save``
-written atomically (temporary file, fsync, rename).
+written atomically (temporary file, fsync, rename), sealed with a SHA-256 checksum of the
+file in its zip comment; ``mixprec.torch.load`` checks the sizes, then the checksum, then
+calls ``torch.load`` (:func:`save`, :func:`load`).
 
 **DCP** (``torch.distributed.checkpoint``). torch's ``get_state_dict`` keys the optimizer
 state by the model's parameter names, which it finds by looking up the optimizer's
@@ -34,8 +36,12 @@ counted, checked or scaled.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import struct
 import warnings
+import zipfile
 from typing import IO, Any
 
 import torch
@@ -52,6 +58,7 @@ __all__ = [
     "ModelCheckpoint",
     "get_state_dict",
     "is_dcp_init_step",
+    "load",
     "load_optimizer_state_dict",
     "optimizer_state_dict",
     "save",
@@ -438,16 +445,192 @@ def _saved_policy(data: Any) -> Policy:
         ) from err
 
 
+# ---------------------------------------------------------------------- save and load
+
+#: The zip comment :func:`save` writes: this tag and the SHA-256 (hex) of every byte of the
+#: file before the comment. ``torch.load`` reads the file as it reads any other.
+_SEAL = b"mixprec-sha256:"
+_SEAL_SIZE = len(_SEAL) + 64
+#: The zip format's end-of-central-directory record: its signature and fixed size.
+_EOCD = b"PK\x05\x06"
+_EOCD_SIZE = 22
+_CHUNK = 1 << 20
+
+
 def save(obj: Any, f: str | os.PathLike[str] | IO[bytes], **kwargs: Any) -> None:
-    """``torch.save(obj, f)``, atomic when ``f`` is a path: a temporary file in the same
-    folder is written, fsynced and renamed over ``f``, so a save that is killed or fails
-    half-way leaves the previous checkpoint whole (:mod:`mixprec.atomic`). A file object is
-    passed straight to ``torch.save``."""
+    """``torch.save(obj, f)``, atomic and sealed with a checksum.
+
+    Atomic when ``f`` is a path: a temporary file in the same folder is written, fsynced and
+    renamed over ``f``, so a save that is killed or fails half-way leaves the previous
+    checkpoint whole (:mod:`mixprec.atomic`). The file is torch's own zip format with a
+    SHA-256 of its bytes in the zip comment: ``torch.load`` reads it as any checkpoint, and
+    :func:`load` refuses it when a byte changed. A file object gets the same bytes (built in
+    memory first).
+
+    Example::
+
+        mixprec.torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, "ckpt.pt")
+        state = mixprec.torch.load("ckpt.pt")
+
+    :raises CheckpointError: ``_use_new_zipfile_serialization=False`` (the legacy format
+        has no place for the checksum); nothing is written.
+    """
     if isinstance(f, (str, os.PathLike)):
         with atomic_path(f) as tmp:
             torch.save(obj, tmp, **kwargs)
+            with open(tmp, "r+b") as out:
+                _seal(out)
     else:
-        torch.save(obj, f, **kwargs)
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, **kwargs)
+        _seal(buffer)
+        f.write(buffer.getvalue())
+
+
+def load(
+    f: str | os.PathLike[str] | IO[bytes],
+    map_location: Any = None,
+    *,
+    weights_only: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``torch.load`` of a file :func:`save` wrote, once its sizes and checksum hold.
+
+    Before anything is read whole: the zip comment must hold :func:`save`'s checksum, and
+    every record of the zip must be stored (never compressed, so nothing inflates) and lie
+    within the file. Then the file is hashed in chunks and compared; only a whole, unchanged
+    file reaches ``torch.load``, through the same open file (a file replaced in between is
+    not read). ``weights_only=True`` (torch's default since 2.6) is kept unless given.
+
+    Example::
+
+        state = mixprec.torch.load("ckpt.pt", map_location="cpu")
+        model.load_state_dict(state["model"])
+
+    :param f: a path, or a seekable binary file object.
+    :param map_location, kwargs: as ``torch.load``.
+    :raises CheckpointError: a file :func:`save` did not write (no checksum: a plain
+        ``torch.save`` file, or one from before checksums), one cut short or damaged
+        (a flipped byte anywhere), or one whose zip records are compressed or reach past
+        its end; nothing is loaded.
+    """
+    if isinstance(f, (str, os.PathLike)):
+        name = os.fspath(f)
+        try:
+            source: IO[bytes] = open(f, "rb")
+        except OSError as err:
+            raise CheckpointError(f"cannot read the checkpoint {name!r}: {err}") from None
+        with source:
+            _check_sealed(source, name)
+            source.seek(0)
+            return torch.load(source, map_location, weights_only=weights_only, **kwargs)
+    name = str(getattr(f, "name", "the file object"))
+    if not (hasattr(f, "seekable") and f.seekable()):
+        raise CheckpointError(
+            f"mixprec.torch.load needs a path or a seekable file, and {name!r} cannot seek: its "
+            "size and checksum are checked before it is read; read it into io.BytesIO first"
+        )
+    if f.tell() != 0:
+        raise CheckpointError(
+            f"{name!r} is at byte {f.tell()}; mixprec.torch.load reads a checkpoint that starts "
+            "its file (its checksum covers the whole file): seek(0), or load from a path"
+        )
+    _check_sealed(f, name)
+    f.seek(0)
+    return torch.load(f, map_location, weights_only=weights_only, **kwargs)
+
+
+def _digest(f: IO[bytes], start: int, end: int) -> bytes:
+    """SHA-256 of bytes ``[start, end)`` of ``f``, read in chunks."""
+    digest = hashlib.sha256()
+    f.seek(start)
+    left = end - start
+    while left > 0:
+        chunk = f.read(min(_CHUNK, left))
+        if not chunk:
+            break
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest.hexdigest().encode("ascii")
+
+
+def _seal(f: IO[bytes]) -> None:
+    """Write the checksum into the zip comment of the torch checkpoint in ``f``."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(size - _EOCD_SIZE if size >= _EOCD_SIZE else 0)
+    tail = f.read(_EOCD_SIZE)
+    if len(tail) != _EOCD_SIZE or tail[:4] != _EOCD or tail[-2:] != b"\0\0":
+        raise CheckpointError(
+            "mixprec.torch.save writes torch's zip format, whose comment carries the "
+            "checksum, and torch.save wrote another (_use_new_zipfile_serialization=False?); "
+            "save without that option. Nothing was written"
+        )
+    f.seek(size - 2)
+    f.write(struct.pack("<H", _SEAL_SIZE))
+    digest = _digest(f, 0, size)  # everything up to the comment, its length included
+    f.seek(size)
+    f.write(_SEAL + digest)
+    f.truncate()
+
+
+def _check_sealed(f: IO[bytes], name: str) -> None:
+    """Refuse ``f`` unless it is a whole file :func:`save` wrote."""
+    size = f.seek(0, os.SEEK_END)
+    damaged = (
+        f"checkpoint {name!r} is damaged (a changed byte, a cut or an edit): it does not match "
+        "the checksum mixprec.torch.save wrote into it. Load an earlier copy, or save again"
+    )
+    if size < _EOCD_SIZE + _SEAL_SIZE:
+        raise CheckpointError(
+            f"checkpoint {name!r} holds {size} bytes, too few for a checkpoint "
+            "mixprec.torch.save wrote: it is cut short or not a checkpoint"
+        )
+    f.seek(size - _EOCD_SIZE - _SEAL_SIZE)
+    tail = f.read(_EOCD_SIZE + _SEAL_SIZE)
+    record, seal = tail[:_EOCD_SIZE], tail[_EOCD_SIZE:]
+    if record[:4] != _EOCD or not seal.startswith(_SEAL):
+        if record[:4] == _EOCD or tail[-_EOCD_SIZE:][:4] == _EOCD:  # a zip without our seal
+            raise CheckpointError(
+                f"checkpoint {name!r} has no mixprec checksum: mixprec.torch.save did not write "
+                "it (a plain torch.save, or a mixprec before checksums). If you trust it, "
+                "load it with torch.load(path, weights_only=True), then save it again with "
+                "mixprec.torch.save"
+            )
+        raise CheckpointError(damaged)
+    if struct.unpack("<H", record[-2:])[0] != _SEAL_SIZE:
+        raise CheckpointError(damaged)
+    if _digest(f, 0, size - _SEAL_SIZE) != seal[len(_SEAL) :]:
+        raise CheckpointError(damaged)
+    _check_records(f, name, size)  # whole as written: a record that inflates was written so
+
+
+def _check_records(f: IO[bytes], name: str, size: int) -> None:
+    """Every record stored (nothing to inflate) and inside the file, read from the central
+    directory alone, before any record is read."""
+    f.seek(0)
+    try:
+        with zipfile.ZipFile(f) as archive:
+            infos = archive.infolist()
+    except Exception as err:  # any way a directory fails to parse: not torch's zip
+        raise CheckpointError(
+            f"checkpoint {name!r} is damaged: its zip directory cannot be read ({err}). Load "
+            "an earlier copy, or save again"
+        ) from None
+    total = 0
+    for info in infos:
+        total += info.file_size
+        if (
+            info.compress_type != zipfile.ZIP_STORED
+            or info.compress_size != info.file_size
+            or info.header_offset + info.file_size > size
+            or total > size
+        ):
+            raise CheckpointError(
+                f"checkpoint {name!r} holds a record ({info.filename!r}, {info.file_size} "
+                f"bytes) that is compressed or reaches past the file's {size} bytes; "
+                "mixprec.torch.save stores every record as it is. It is damaged or not one of "
+                "mixprec's checkpoints"
+            )
 
 
 def _unchanged(cast: torch.Tensor, original: torch.Tensor) -> bool:
