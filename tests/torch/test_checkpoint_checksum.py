@@ -75,7 +75,7 @@ def test_every_flipped_byte_is_refused(saved: tuple[Path, dict[str, Any]], tmp_p
         flipped = bytearray(data)
         flipped[at] ^= 0x01 if at % 2 else 0x80
         damaged.write_bytes(bytes(flipped))
-        with pytest.raises(CheckpointError):
+        with pytest.raises(CheckpointError, match="is damaged"):
             mpt.load(damaged)
 
 

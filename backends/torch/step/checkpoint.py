@@ -588,16 +588,15 @@ def _check_sealed(f: IO[bytes], name: str) -> None:
     f.seek(size - _EOCD_SIZE - _SEAL_SIZE)
     tail = f.read(_EOCD_SIZE + _SEAL_SIZE)
     record, seal = tail[:_EOCD_SIZE], tail[_EOCD_SIZE:]
-    if record[:4] != _EOCD or not seal.startswith(_SEAL):
-        if record[:4] == _EOCD or tail[-_EOCD_SIZE:][:4] == _EOCD:  # a zip without our seal
-            raise CheckpointError(
-                f"checkpoint {name!r} has no mixprec checksum: mixprec.torch.save did not write "
-                "it (a plain torch.save, or a mixprec before checksums). If you trust it, "
-                "load it with torch.load(path, weights_only=True), then save it again with "
-                "mixprec.torch.save"
-            )
-        raise CheckpointError(damaged)
-    if struct.unpack("<H", record[-2:])[0] != _SEAL_SIZE:
+    if tail[-_EOCD_SIZE:][:4] == _EOCD and tail[-2:] == b"\0\0":  # a zip with no comment
+        raise CheckpointError(
+            f"checkpoint {name!r} has no mixprec checksum: mixprec.torch.save did not write it "
+            "(a plain torch.save, or a mixprec before checksums). If you trust it, load it "
+            "with torch.load(path, weights_only=True), then save it again with "
+            "mixprec.torch.save"
+        )
+    sealed = record[:4] == _EOCD and record[-2:] == struct.pack("<H", _SEAL_SIZE)
+    if not (sealed and seal.startswith(_SEAL)):
         raise CheckpointError(damaged)
     if _digest(f, 0, size - _SEAL_SIZE) != seal[len(_SEAL) :]:
         raise CheckpointError(damaged)
