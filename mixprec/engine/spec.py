@@ -263,6 +263,15 @@ def get_policy(spec: PolicySpec = "auto", **overrides: Any) -> Policy:
         ``reduce``, ``state``, ``loss_scale``; :mod:`mixprec.policy.presets` says what a changed
         compute re-derives.
     :raises PolicyError: an unknown preset, key, dtype or op, or a contradictory policy.
+
+    Example::
+
+        import mixprec
+
+        policy = mixprec.get_policy("O1-bf16,path:head=float32")
+        policy.compute                          # 'bfloat16'
+        mixprec.get_policy("O2", compute="bfloat16") == mixprec.get_policy("O2-bf16")  # True
+        print(policy.explain("softmax"))        # the rule that decides softmax's dtype
     """
     if spec is None:
         spec = "auto"

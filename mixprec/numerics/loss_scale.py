@@ -192,6 +192,15 @@ class DynamicScale:
     ``overflows_left`` (overflows it takes to back off; 1 means the next one does; defaults
     to ``hysteresis``).
 
+    Example: a float16 policy whose scale starts lower and never falls under 128::
+
+        import mixprec
+
+        scale = mixprec.DynamicScale(init=2.0**12, min=128.0)
+        policy = mixprec.get_policy("O2", loss_scale=scale)
+        # the same as a spec string:
+        policy == mixprec.get_policy("O2,loss_scale=dynamic(init=4096,min=128)")  # True
+
     The new scale is used on the very next step. One update, in full::
 
         if found_inf:                                # the step is skipped: event "skip"
