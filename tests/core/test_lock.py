@@ -299,3 +299,135 @@ def test_output_no_lock_can_be_written_to_is_one_line_and_exit_2(
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
     with pytest.raises(LockError, match="cannot write the lock file"):
         mixprec.write_lock("O1", "numpy", target)
+
+
+# ---------------------------------------------------------------------- the reader, unit by unit
+# (what the mutation tester found no test pinning down: docs/reliability.md, "Mutation testing")
+
+
+def _small_lock(**ops: Any) -> Any:
+    from mixprec.policy.lockfile import OpLock, PrecisionLock
+
+    return PrecisionLock(
+        policy="O1",
+        resolved="O1",
+        backend="numpy",
+        device="cpu",
+        lowp="float16",
+        native="numpy's type rules",
+        versions={"mixprec": "1.0", "numpy": "2.0", "python": "3.11"},
+        ops=ops or {"relu": OpLock("passthrough", "float32", "float16", "float32", "refused")},
+    )
+
+
+def test_the_checksum_of_a_known_lock_never_changes() -> None:
+    """Locks written by this format must verify in every later mixprec: the checksum's text
+    (keys, separators, prefix) is pinned to its value."""
+    assert _small_lock().checksum() == (
+        "sha256:6849566a5b8d8a31393698180e0593ff89a758b0ee0c2c4454d63f6d5872152b"
+    )
+
+
+def test_a_native_refusal_round_trips_and_locks_are_frozen() -> None:
+    import dataclasses as dc
+
+    from mixprec.policy.lockfile import parse_lock
+
+    lock = _small_lock()
+    assert parse_lock(lock.to_toml()) == lock
+    assert parse_lock(lock.to_toml()).ops["relu"].native_lowp == "refused"
+    with pytest.raises(dc.FrozenInstanceError):
+        lock.device = "cuda"  # type: ignore[misc]
+    with pytest.raises(dc.FrozenInstanceError):
+        lock.ops["relu"].lowp = "float32"  # type: ignore[misc]
+
+
+def _cut_line(text: str, start: str) -> str:
+    at = text.index(start)
+    return text[:at] + text[text.index("\n", at) + 1 :]
+
+
+_REFUSALS: dict[str, tuple[Any, str]] = {
+    "not-a-string": (
+        lambda t: t.replace('policy = "O1"', "policy = 1"),
+        "lock.policy must be a string, found 1",
+    ),
+    "missing": (lambda t: _cut_line(t, "device = "), "lock.device must be a string, found nothing"),
+    "lowp": (
+        lambda t: t.replace('lowp = "float16"\nnative', 'lowp = "bfloat17"\nnative'),
+        "lock.lowp is 'bfloat17'",
+    ),
+    "version": (
+        lambda t: t.replace('numpy = "2.0"', "numpy = 2"),
+        "versions.numpy must be a string",
+    ),
+    "no-checksum": (
+        lambda t: _cut_line(t, "checksum = "),
+        "lock.checksum must be a string, found nothing",
+    ),
+    "no-op": (lambda t: t[: t.index("[ops]") + 6], "locks no op"),
+    "op-not-a-table": (
+        lambda t: t.replace("relu = {", 'relu = "float32"\nx = {'),
+        "ops.relu must be a table",
+    ),
+    "op-key": (
+        lambda t: t.replace("relu = { rule", 'relu = { extra = "1", rule'),
+        "ops.relu has unknown keys ['extra']",
+    ),
+    "table": (lambda t: t + "\n[extra]\nnote = 1\n", "the file has 'extra'"),
+    "lock-key": (
+        lambda t: t.replace("format = 1\n", 'format = 1\nsigned_off = "me"\n'),
+        "[lock] has 'signed_off'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_REFUSALS))
+def test_each_refusal_names_the_key(case: str) -> None:
+    from mixprec.policy.lockfile import parse_lock
+
+    edit, says = _REFUSALS[case]
+    text = _small_lock().to_toml()
+    edited = edit(text)
+    assert edited != text
+    with pytest.raises(LockError) as caught:
+        parse_lock(edited)
+    assert says in str(caught.value) and str(caught.value).startswith("the lock file")
+
+
+def test_a_missing_lock_file_cannot_be_read(tmp_path: Path) -> None:
+    with pytest.raises(LockError, match="cannot read the lock file") as caught:
+        mixprec.check_lock(tmp_path / "nowhere.lock")
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+
+
+def test_changes_name_each_kind_of_change_with_the_versions() -> None:
+    from mixprec.policy.lockfile import OpLock, changes
+
+    old = _small_lock(
+        a=OpLock("r", "float32", "float16"),
+        b=OpLock("r", "float32", "float16"),
+        c=OpLock("r", "float32", "float16"),
+        d=OpLock("r", "float32", "float16"),
+        gone=OpLock("r", "float32", "float16"),
+    )
+    new = dataclasses.replace(
+        old,
+        versions={"mixprec": "1.1", "numpy": "2.1", "python": "3.11"},
+        ops={
+            "a": OpLock("r", "float32", "float32"),  # low-precision inputs only
+            "b": OpLock("r", "float16", "float16"),  # float32 inputs only
+            "c": OpLock("other rule", "float32", "float16"),  # only the rule
+            "d": OpLock("r", "float32", "float16"),  # unchanged
+            "new": OpLock("r", "float32", "bfloat16"),
+        },
+    )
+    why = "(mixprec 1.0 -> 1.1, numpy 2.0 -> 2.1)"
+    assert changes(old, new) == [
+        f"a: float16 -> float32 {why}",
+        f"b: float32 -> float16 for float32 inputs {why}",
+        f"c: rule 'r' -> 'other rule' {why}",
+        f"gone: float16 -> no longer resolved {why}",
+        f"new: not in the lock -> bfloat16 {why}",
+    ]
+    assert changes(old, old) == []
