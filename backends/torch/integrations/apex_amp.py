@@ -33,6 +33,7 @@ from mixprec.kit import (
 )
 
 from ..dtypes import dtype_name, torch_dtype
+from ..step.distributed import is_distributed
 from ..step.optimizer_state import OptimizerState, optimizer_state
 from ..step.protocol import copies, reduce_found_inf, unscale
 from ..wrapping.wrap import wrap
@@ -244,7 +245,7 @@ def _exit(
         unscale(st, opt, scale=scaler.scale, check=False)
         flags.extend(st.iteration.found_inf)
     found = reduce_found_inf(flags, states[0].group.device)
-    scaler.update(found)
+    scaler.update(found, rank=torch.distributed.get_rank() if found and is_distributed() else None)
     for st, opt, saved in zip(states, opts, stashes, strict=True):
         if saved is not None:
             _add_back(saved)
