@@ -157,6 +157,10 @@ def test_the_overflow_check_decides_as_the_per_parameter_one() -> None:
         "nan": [array([math.nan]), *finite],
         "sum overflows": big,
         "one bfloat16": [*finite, cast(finite[0], "bfloat16")],
+        # at least DOT_FROM elements: a dot of its own beside the multi_sum_sq of the rest
+        "large finite": [*finite, array(rng.standard_normal(multi_tensor.DOT_FROM))],
+        "large inf": [*finite, array(np.full(multi_tensor.DOT_FROM, math.inf))],
+        "large and small sum overflows": [array(np.full(multi_tensor.DOT_FROM, 1e17)), *big],
     }
     for label, arrays in cases.items():
         mine = int(multi_tensor.count_nonfinite(arrays).asscalar())
