@@ -35,3 +35,26 @@ def test_the_torch_advise_example_runs() -> None:
 
     code = _example(mpt.advise).replace("print(report.table())", "assert report.recommended")
     exec(compile(code, "<example of advise>", "exec"), {})
+
+
+def test_the_torch_wrap_example_runs() -> None:
+    pytest.importorskip("torch")
+    import mixprec.torch as mpt
+
+    code = _example(mpt.wrap).replace(
+        "print(mpt.state(optimizer).skipped_steps)   # 0",
+        "assert mpt.state(optimizer).skipped_steps == 0",
+    )
+    assert "assert" in code
+    exec(compile(code, "<example of wrap>", "exec"), {})
+
+
+def test_the_gluon_trainer_example_runs() -> None:
+    pytest.importorskip("mxnet")
+    import mixprec.mxnet as mpx
+
+    code = _example(mpx.Trainer).replace(
+        "print(trainer.skipped_steps)   # 0", "assert trainer.skipped_steps == 0"
+    )
+    assert "assert" in code
+    exec(compile(code, "<example of Trainer>", "exec"), {})

@@ -98,6 +98,24 @@ class Trainer(ScalerCounters, gluon.Trainer):
         A policy with ``state="bfloat16"`` is refused (``WrapError``): MXNet has no bfloat16
         optimizer kernels, so the optimizer state stays float32.
     :param overrides: policy role overrides, e.g. ``loss_scale="dynamic"``.
+
+    Example::
+
+        from mxnet import autograd, gluon, nd
+        import mixprec.mxnet as mpx
+
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Dense(16, activation="relu"), gluon.nn.Dense(2))
+        net.initialize()
+        trainer = mpx.Trainer(net, "adam", {"learning_rate": 1e-3}, policy="O2-bf16")
+        loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+        x, y = nd.random.normal(shape=(4, 8)), nd.array([0, 1, 1, 0])
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+            with trainer.scale_loss(loss) as scaled:
+                autograd.backward(scaled)
+        trainer.step(4)
+        print(trainer.skipped_steps)   # 0
     """
 
     _mixprec: TrainerState

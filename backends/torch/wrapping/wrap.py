@@ -104,6 +104,23 @@ def wrap(
         changed then.
     :raises UnsupportedDtypeError: a parameter on a device that cannot compute the policy.
     :raises PolicyError: a bad policy spec.
+
+    Example::
+
+        import torch
+        import mixprec.torch as mpt
+
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = mpt.wrap(model, optimizer, policy="O2-bf16")
+        x, y = torch.randn(4, 8), torch.tensor([0, 1, 1, 0])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with mpt.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        print(mpt.state(optimizer).skipped_steps)   # 0
     """
     step_guard = StepGuard.coerce(guard)
     seed = check_seed(seed)
