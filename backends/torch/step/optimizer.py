@@ -61,17 +61,17 @@ def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     parameter again every step costs page faults on the CPU. Compensated strategies keep
     nothing between steps, so nothing is kept for them.
     """
-    st = getattr(self, "_mixprec", None)
+    st: OptimizerState | None = getattr(self, "_mixprec", None)
     lay = None if st is None else layout(st, self)
     held = []
-    if lay is not None and st.group.compensation is None:
+    if st is not None and lay is not None and st.group.compensation is None:
         held = held_grads(lay.masters)
     base = base_class(self)
     if _takes_set_to_none(base):
         base.zero_grad(self, set_to_none)
     else:  # a wrapper such as apex's LARC: zero_grad(self) clears its inner optimizer's
         base.zero_grad(self)
-    if lay is None:
+    if st is None or lay is None:
         return
     if held:
         keep_dropped_grads(st.spare_grads, held)

@@ -193,7 +193,8 @@ class Layout:
         self.fusable: bool | None = None
         """Under ``master=kahan|stochastic``: every parameter can take the fused update (its
         weight a contiguous CPU tensor the strategy handles, or a float32 CPU one); decided
-        once per layout, the groups' options are checked per step. None: not decided yet."""
+        once per layout (the groups' options are checked at each use: a compiled step may
+        change them). None: not decided yet."""
         self.versions: list[int] | None = None
         """The version counters of :attr:`params` after the last master copy; None until the
         first step of this layout (:mod:`.model_edits`)."""
@@ -208,7 +209,6 @@ class Iteration:
         "checked",
         "found_inf",
         "found_on_host",
-        "fused",
         "grad_marks",
         "grads_cast",
         "implicit_unscale",
@@ -223,8 +223,9 @@ class Iteration:
         the group opened it."""
         self.found_inf: list[torch.Tensor] = []
         """The device-side overflow flags of the latest unscale (one per device)."""
-        self.found_on_host = False
-        """The native guard pass found an overflow (its verdict is on the host already)."""
+        self.found_on_host: bool | None = None
+        """The native guard pass's verdict, on the host already (True: an overflow); None
+        where no native pass ran since the flags were last taken."""
         self.unchecked = False
         """The gradients were unscaled without the guard's check (``unscale_``): the step
         checks them, after whatever the user did to them since."""
@@ -239,8 +240,6 @@ class Iteration:
         self.grads_cast = False
         """This step's gradients were cast into the masters' ``.grad`` (False: under the
         fused compensated update the model's own gradients are read instead)."""
-        self.fused: bool | None = None
-        """This step takes the compensated fused update; decided once per step."""
         self.reevaluating = False
         """The optimizer's own ``step()`` is re-running its closure (LBFGS's line search): a
         ``scale_loss`` inside belongs to that step."""

@@ -162,20 +162,16 @@ def copy_grads_to_masters(st: OptimizerState, optimizer: torch.optim.Optimizer) 
 
 
 def _fused(st: OptimizerState, optimizer: torch.optim.Optimizer, lay: Layout) -> bool:
-    """Whether this step takes the compensated fused update: decided once per step, the walk
-    over the parameters once per layout (:attr:`Layout.fusable`)."""
-    it = st.iteration
-    fused = it.fused
-    if fused is None:
-        comp = st.group.compensation
-        if comp is None:
-            fused = False
-        else:
-            if lay.fusable is None:
-                lay.fusable = comp.fusable_params(optimizer)
-            fused = lay.fusable and comp.fusable_options(optimizer)
-        it.fused = fused
-    return fused
+    """Whether the compensated fused update takes the optimizer now: the walk over its
+    parameters once per layout (:attr:`Layout.fusable`), its groups' options at each call
+    (cheap, and they may change: a compiled step sets ``capturable`` while it traces)."""
+    compensation = st.group.compensation
+    if compensation is None:
+        return False
+    fusable = lay.fusable
+    if fusable is None:
+        fusable = lay.fusable = compensation.fusable_params(optimizer)
+    return fusable and compensation.fusable_options(optimizer)
 
 
 def unscale(
@@ -398,8 +394,9 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
         flags.extend(it.found_inf)
         if it.found_on_host is not None:
             host = bool(host) or it.found_on_host
-    scope = group.scope([st for st, _ in members], live)
-    guard_flags = [f for g in group.round_guards if (f := g.flag(scope)) is not None]
+    guards = group.round_guards
+    scope = group.scope([st for st, _ in members], live) if guards else frozenset()
+    guard_flags = [f for g in guards if (f := g.flag(scope)) is not None]
     step = group.scaler.steps
     if group.skip_each:  # one host sync per member for its own decision (GradScaler's)
         own = [
@@ -418,7 +415,7 @@ def open_round(group: WrapGroup, optimizer: torch.optim.Optimizer) -> Round:
             flags + guard_flags, group.device, step, found=host, group=group
         )
         own = [found_inf] * len(members)
-    for round_guard in group.round_guards:  # before the update: a floor that raises restores
+    for round_guard in guards:  # before the update: a floor that raises still restores
         round_guard.settle(found_inf, scope)
     overflowing: tuple[str, ...] = ()
     if found_inf:  # before the update, so skip hooks can already ask which params overflowed
@@ -512,7 +509,8 @@ def _update(
     lay = layout(st, optimizer)
     compensation = st.group.compensation
     if compensation is None:
-        refresh_edited_masters(st.group, lay)
+        if lay.params:  # weights written since the last master copy (weight surgery)
+            refresh_edited_masters(st.group, lay)
     elif _fused(st, optimizer, lay):
         # one pass per tensor, no float32 working masters (torch's SGD/Adam/AdamW)
         grads_cast = st.iteration.grads_cast
@@ -521,6 +519,8 @@ def _update(
         )
         return
     else:
+        if not st.iteration.grads_cast:  # the guard pass left them to the fused update
+            copy_grads_to_masters(st, optimizer)
         compensation.fill(optimizer)  # float32 working masters: w + c (kahan) or w
     if closure is None:
         base_class(optimizer).step(optimizer)
@@ -528,8 +528,8 @@ def _update(
         base_class(optimizer).step(optimizer, _reevaluating(st, optimizer, closure, loss))  # type: ignore[call-arg]
     if compensation is not None:
         compensation.store(optimizer)  # back into bfloat16 params, the residual or noise kept
-    else:
-        copy_masters_to_model(st, optimizer)
+    elif lay.params:
+        copy_masters_to_model(st, optimizer, lay)
 
 
 def _end(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
@@ -657,9 +657,11 @@ def _reevaluating(
 mark_step_hooked(step)  # torch's profiling wrapper is already inside the base class's step
 
 
-def copy_masters_to_model(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
+def copy_masters_to_model(
+    st: OptimizerState, optimizer: torch.optim.Optimizer, lay: Layout | None = None
+) -> None:
     """Copy every separate master into its model parameter (one fused foreach copy)."""
-    lay = layout(st, optimizer)
+    lay = layout(st, optimizer) if lay is None else lay
     if lay.params:
         with torch.no_grad():
             foreach_copy_(lay.params, lay.masters)
