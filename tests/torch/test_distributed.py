@@ -470,7 +470,8 @@ def test_ddps_all_reduce_is_bounded_by_the_same_setting(tmp_path: Path) -> None:
     group's timeout, which process_group_timeout() sets from MIXPREC_OVERFLOW_TIMEOUT."""
     r0, r1 = (by_name["ddp_timeout"] for by_name in run_ranks(["ddp_timeout"], tmp_path))
     assert r1 == {"warnings": []}
-    assert "Timed out" in r0["raised"]
+    # gloo words the same timeout two ways, depending on which side of the pair notices first
+    assert "Timed out" in r0["raised"] or "Application timeout" in r0["raised"], r0["raised"]
     assert 1.9 < r0["waited"] < 15.0  # STALL_WAIT is 2 s; torch's default is 30 minutes
 
 
