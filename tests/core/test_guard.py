@@ -176,19 +176,24 @@ def test_the_warning_points_at_the_users_line() -> None:
 
 
 def test_user_stacklevel_walks_out_of_every_mixprec_package() -> None:
-    from mixprec.numerics.guard import MIXPREC_PACKAGES, user_stacklevel
+    from mixprec.numerics.guard import _PASSED_THROUGH, MIXPREC_PACKAGES, user_stacklevel
 
     assert MIXPREC_PACKAGES == (
         "mixprec", "mixprec_torch", "mixprec_mxnet", "mixprec_numpy", "mixprec_jax",
     )  # fmt: skip
     source = "def call(inner):\n    return inner()\n"
     levels = {}
-    for package in (*MIXPREC_PACKAGES, "contextlib", "torch", "my_training_code"):
+    assert frozenset(
+        {"contextlib", "torch", "mxnet", "numpy", "jax", "jaxlib", "lightning",
+         "lightning_fabric", "pytorch_lightning", "accelerate"}
+    ) == _PASSED_THROUGH  # fmt: skip
+    for package in (*MIXPREC_PACKAGES, *sorted(_PASSED_THROUGH), "my_training_code"):
         scope: dict[str, object] = {"__name__": f"{package}.module"}
         exec(compile(source, f"<{package}>", "exec"), scope)
         call = scope["call"]
         levels[package] = call(user_stacklevel)  # type: ignore[operator]
-    # the helper's caller is the fake module's frame: 1 outside mixprec, 2 (its caller) inside
+    # the helper's caller is the fake module's frame: 1 outside mixprec and the code a call
+    # passes through (contextlib, the frameworks, the trainers), 2 (its caller) inside
     assert levels == {**dict.fromkeys(levels, 2), "my_training_code": 1}
 
 
