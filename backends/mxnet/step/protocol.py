@@ -199,7 +199,7 @@ def update(
         if found_inf:  # before the update, so skip hooks can already ask what overflowed
             overflowing = record_overflows(st.scaler.steps, [st])
         kv = trainer._kvstore if found_inf else None  # a worker's rank: in the skip warning
-        rank = kv.rank if distributed.is_distributed(kv) else None
+        rank = kv.rank if kv is not None and distributed.is_distributed(kv) else None
         skipped = st.scaler.update(found_inf, overflowing, rank=rank)
         if skipped:
             _consume(st, ignore_stale_grad)
