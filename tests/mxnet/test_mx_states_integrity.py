@@ -70,7 +70,10 @@ def _float16_moment(meta: dict[str, Any], saved: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     ("edit", "message"),
-    [(_nan_moment, r"inf or NaN.*optimizer state"), (_float16_moment, r"float16 optimizer state")],
+    [
+        (_nan_moment, r"inf or NaN in the optimizer state of parameter '0\.bias' \(state 0\)"),
+        (_float16_moment, r"float16 optimizer state \(parameter '0\.bias', state 0\)"),
+    ],
     ids=["nan", "float16"],
 )
 def test_nan_or_float16_moments_are_refused_and_change_nothing(
