@@ -70,13 +70,19 @@ demo: $(STAMP) $(KERNELS_SO)
 
 # The suite's time is part of its contract: both runs print their 25 slowest tests, and
 # README.md records the whole run's time and test count on the machine it was last taken on.
+# Two workers (pytest-xdist) share the test files, the files with slow tests handed out
+# first (tests/conftest.py); one thread each for torch's, MXNet's and NumPy's kernels, so two
+# workers on two cores do not wait on each other's threads.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP) $(KERNELS_SO) $(JAX_STAMP) $(WHEELHOUSE)
-	$(BIN)/python -m pytest --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) --durations=25
 	# the JAX plugin's tests (flax, optax, its conformance run) in their own environment
-	cd plugins/mixprec-jax && ../../$(JAX_BIN)/python -m pytest --durations=10
+	cd plugins/mixprec-jax && OMP_NUM_THREADS=1 ../../$(JAX_BIN)/python -m pytest $(XDIST) \
+		--durations=10
 
 test-fast: $(STAMP) $(KERNELS_SO)
-	$(BIN)/python -m pytest -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check mixprec backends plugins tests benchmarks examples docsbuild

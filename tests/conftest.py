@@ -5,8 +5,18 @@ this folder on ``sys.path`` so tests import the shared :mod:`isa` helpers by nam
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 pytest_plugins = ["mixprec.testing.pytest_plugin"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding ``slow`` tests first, each file's tests in their order: ``make test``
+    shares the files among two workers (pytest-xdist, ``--dist loadfile``), and a heavy file
+    handed out last would leave one worker idle while the other runs it."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)

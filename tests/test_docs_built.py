@@ -135,6 +135,7 @@ def _local(url: str) -> bool:
     return not re.match(r"^(?:[a-z][a-z0-9+.-]*:|//|#)", url) and url != ""
 
 
+@pytest.mark.slow
 def test_every_internal_link_and_anchor_resolves(site: Path, pages: dict[str, Page]) -> None:
     broken = []
     for name, page in pages.items():

@@ -149,6 +149,7 @@ def _piped(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 NATIVE_LOG = "could not create a primitive descriptor iterator"
 
 
+@pytest.mark.slow
 def test_no_framework_log_lines_in_backends_or_the_advisor(tmp_path: Path) -> None:
     """``mixprec backends`` and the advisor, in fresh processes as a user runs them: MXNet's
     oneDNN lines (C++ writes to fd 2) do not print; the advisor says why O1-bf16 has no

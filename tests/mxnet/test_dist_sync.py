@@ -398,7 +398,13 @@ def test_every_worker_starts_from_rank_0s_exact_masters(reduce: str) -> None:
     from mixprec_mxnet import Trainer
 
     server: dict[Any, Any] = {}
-    nets, trainers = [mlp(seed=0), mlp(seed=1)], []
+    # each rank's own process names its layers from a fresh counter (dense0_, dense1_):
+    # gluon.Trainer orders parameters by name, so ranks simulated in one process need the
+    # same names, whatever layers earlier tests created
+    nets, trainers = [], []
+    for seed in (0, 1):
+        with mx.name.NameManager():
+            nets.append(mlp(seed=seed))
     for rank, net in enumerate(nets):
         store = _SimulatedDistStore(rank, server)
         trainers.append(Trainer(net, "sgd", policy="O2-bf16", kvstore=store, reduce=reduce))

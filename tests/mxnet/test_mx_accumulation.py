@@ -94,6 +94,7 @@ def test_o1_accumulates_parameters_the_graph_pass_casts() -> None:
         np.testing.assert_allclose(accumulated[name], grad, rtol=2e-2, atol=1e-3, err_msg=name)
 
 
+@pytest.mark.slow
 def test_o1_accumulation_on_resnet18() -> None:
     def make() -> Any:
         mx.random.seed(0)
@@ -316,6 +317,7 @@ def test_zero_grad_before_any_step_changes_nothing(policy: str) -> None:
     assert not trainer.last_step_skipped
 
 
+@pytest.mark.slow
 def test_zero_grad_under_o2_bf16_on_resnet18() -> None:
     """ParameterDict.zero_grad on bfloat16 gradients used to fail at the next step
     (``Unknown type enum 12``)."""

@@ -72,6 +72,7 @@ def test_a_states_save_failing_half_way_keeps_the_previous_file(tmp_path: Path) 
     resumed.load_states(path)
 
 
+@pytest.mark.slow
 def test_a_kill_during_saves_leaves_loadable_files(tmp_path: Path) -> None:
     params, states = str(tmp_path / "big.params"), str(tmp_path / "big.states")
     # about 9 MB of parameters, so a save takes long enough to be killed in the middle

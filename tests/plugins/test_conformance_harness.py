@@ -150,6 +150,7 @@ def _of(outcomes: dict[str, str], backend: str) -> dict[str, str]:
     return {name: o for name, o in outcomes.items() if f"[{backend}" in name}
 
 
+@pytest.mark.slow
 def test_a_correct_backend_passes_beside_broken_ones(inner_run: dict[str, str]) -> None:
     numpy = _of(inner_run, "numpy")
     assert len(numpy) > 20 and set(numpy.values()) == {"passed"}

@@ -263,6 +263,7 @@ def _mixprec(*args: str, cwd: Path, pre: str = "") -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_pages_pytorch_script_runs_as_written(tmp_path: Path) -> None:
     (tmp_path / "script.py").write_text(_docs_block("torch snippet"))
     proc = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True,
@@ -272,6 +273,7 @@ def test_the_pages_pytorch_script_runs_as_written(tmp_path: Path) -> None:
     assert (tmp_path / "advice" / "recommended.toml").is_file()
 
 
+@pytest.mark.slow
 def test_the_pages_factory_file_runs_under_the_command(tmp_path: Path) -> None:
     """The page's complete my_advice.py, written by the user in their folder, run by the
     command the page shows: piped, a line per candidate; only mixprec's own lines."""
@@ -304,6 +306,7 @@ def test_a_bad_out_is_refused_before_any_training(tmp_path: Path) -> None:
     assert (tmp_path / "notes.txt").read_text() == "a file"
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_run_says_so_at_its_start_and_writes_no_plots(
     tmp_path: Path,
 ) -> None:

@@ -202,6 +202,13 @@ def seed_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(out["path"])
 
 
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
+    """The digest of the kernels' work done by the Python twin (``MIXPREC_NATIVE=0``): what
+    every build must give, computed once for the tests that compare builds with it."""
+    return _python(DIGEST, _env(tmp_path_factory.mktemp("twin"), MIXPREC_NATIVE="0"))
+
+
 def _seeded(tmp: Path, seed_build: Path) -> tuple[Path, Path]:
     """A private cache holding the seed build under its name: (cache, library)."""
     cache = _private(tmp / "cache")
@@ -470,9 +477,11 @@ def test_an_installed_library_others_can_write_is_refused(tmp_path: Path, mode: 
 
 
 @needs_installed
-def test_mixprec_native_0_and_the_twin_give_the_kernels_bits(tmp_path: Path) -> None:
+def test_mixprec_native_0_and_the_twin_give_the_kernels_bits(
+    tmp_path: Path,
+    twin: dict,  # type: ignore[type-arg]
+) -> None:
     kernels = _python(DIGEST, _env(tmp_path))
-    twin = _python(DIGEST, _env(tmp_path, MIXPREC_NATIVE="0"))
     assert kernels["status"].startswith("in use: installed"), kernels
     assert twin["status"] == "not in use: switched off by MIXPREC_NATIVE=0", twin
     assert kernels["digest"] == twin["digest"]
@@ -585,12 +594,11 @@ def _isa_build(tmp: Path, name: str, flags: str) -> dict[str, str]:
 @pytest.mark.slow
 @needs_cc
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the clones are x86-64's")
-def test_each_isa_build_gives_the_twins_bits(tmp_path: Path) -> None:
+def test_each_isa_build_gives_the_twins_bits(tmp_path: Path, twin: dict) -> None:  # type: ignore[type-arg]
     """The clones are the same C compiled for each ISA: a build of one ISA alone (baseline,
     AVX2, and AVX-512 where this CPU runs it) and the build with the clones give the twin's
     bits. On a CPU without AVX-512 its build is compiled (and checked to carry AVX-512 code)
     but cannot run: re-run this test on an AVX-512 machine."""
-    twin = _python(DIGEST, _env(tmp_path, MIXPREC_NATIVE="0"))["digest"]
     flags = Path("/proc/cpuinfo").read_text().split()
     builds = {"clones": _build_env(tmp_path, _private(tmp_path / "clones"))}
     builds["baseline"] = _isa_build(tmp_path, "baseline", "")
@@ -614,7 +622,7 @@ def test_each_isa_build_gives_the_twins_bits(tmp_path: Path) -> None:
         assert out["status"].startswith("in use: built"), out
         if name != "clones":
             assert f"; {expected})" in out["status"], out["status"]
-        assert out["digest"] == twin, f"the {name} build's bits differ from the twin's"
+        assert out["digest"] == twin["digest"], f"the {name} build's bits differ from the twin's"
 
 
 @pytest.mark.slow

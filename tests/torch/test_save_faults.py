@@ -47,6 +47,7 @@ def test_a_save_failing_half_way_keeps_the_previous_checkpoint(tmp_path: Path) -
     torch.load(path, weights_only=True)
 
 
+@pytest.mark.slow
 def test_a_kill_during_the_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "big.pt"
     script = textwrap.dedent(f"""

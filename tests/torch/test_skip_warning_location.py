@@ -138,6 +138,7 @@ def _ranks(tmp_path: Path, world: int) -> list[list[dict[str, object]]]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_name_their_rank_and_the_one_that_did_not_overflow_says_another_did(
     tmp_path: Path,
@@ -155,6 +156,7 @@ def test_two_ranks_name_their_rank_and_the_one_that_did_not_overflow_says_anothe
     assert "Overflowing parameters: " in one[0]["text"] and "another rank" not in one[0]["text"]  # type: ignore[operator]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_group_of_one_rank_names_no_rank(tmp_path: Path) -> None:
     (said,) = _ranks(tmp_path, 1)
