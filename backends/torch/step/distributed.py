@@ -224,11 +224,16 @@ def _mesh_group(models: list[weakref.ReferenceType[torch.nn.Module]]) -> Any:
 def check_first_step(st: Any, optimizer: torch.optim.Optimizer) -> None:
     """At an optimizer's first ``step()``: refuse models whose parameters were replaced since
     ``wrap`` (FSDP applied after it), and fix the consensus group. Changes nothing on refusal.
+    Sets ``st.models_checked`` once it passed (the step calls this only until then).
+
+    Runs eagerly (a graph break at a compiled first step, none after): dynamo tracing the
+    weak containers below failed at random with an IndexError inside dynamo.
 
     :raises WrapError: naming the replaced parameters and the recipe that works.
     """
     consensus = _CONSENSUS.get(st.group)
     if consensus is None or st in consensus.checked:
+        st.models_checked = True
         return
     group = st.group
     replaced: list[str] = []
@@ -266,6 +271,12 @@ def check_first_step(st: Any, optimizer: torch.optim.Optimizer) -> None:
         )
     consensus.checked.add(st)
     consensus.resolve()
+    st.models_checked = True
+
+
+check_first_step = torch.compiler.disable(
+    check_first_step, reason="mixprec: the first step's one-time check of the models runs eagerly"
+)
 
 
 def all_reduce_found_inf(

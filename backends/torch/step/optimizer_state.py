@@ -257,6 +257,7 @@ class OptimizerState:
         "layout",
         "local",
         "models",
+        "models_checked",
         "optimizer",
         "overflows",
         "spare_grads",
@@ -276,6 +277,9 @@ class OptimizerState:
         """Maps a gradient to the part this rank holds (DTensor shards under FSDP2)."""
         self.models: frozenset[int] = frozenset()
         """The indices of the models (of the ``wrap`` call) whose parameters it updates."""
+        self.models_checked = False
+        """The first step found the models holding the parameters ``wrap`` converted (a
+        plain flag, so a compiled step reads it without tracing the check)."""
         self.drop_master_grads = False
         """After every step, taken or skipped, the separate masters' gradients are dropped
         (the apex shim: apex cleared them so, as ``model.zero_grad()`` cannot reach them)."""

@@ -465,7 +465,8 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     st = optimizer_state(self, "optimizer.step()")
     if closure is None and is_dcp_init_step(st, self):  # DCP's dummy step: never counted
         return base_class(self).step(self)
-    check_first_step(st, self)  # the models still hold the params wrap converted
+    if not st.models_checked:  # the models still hold the params wrap converted
+        check_first_step(st, self)
     attrs = vars(self)
     if "found_inf" in attrs or "grad_scale" in attrs:
         raise _grad_scaler_driving(st, self)
