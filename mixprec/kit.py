@@ -72,7 +72,7 @@ from mixprec.numerics.fp8.recipes import (
 )
 from mixprec.numerics.fp8.scaling import DelayedScaling
 from mixprec.numerics.fp8.stats import FP8Statistics
-from mixprec.numerics.guard import NORM_LIMIT, RepeatedSkipWarning, StepGuard
+from mixprec.numerics.guard import NORM_LIMIT, RepeatedSkipWarning, StepGuard, user_stacklevel
 from mixprec.numerics.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
 from mixprec.numerics.masters import MasterWeights
 from mixprec.numerics.stages import Stage, StepTracker
@@ -122,6 +122,7 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "check_traceable",
     "initial_scale",
     "next_scale",
+    "user_stacklevel",
     # compensated and FP8
     "BACKWARD_FORMAT",
     "FORWARD_FORMAT",

@@ -46,7 +46,7 @@ import mxnet as mx
 from mxnet import autograd, nd
 
 from mixprec.errors import MixprecWarning
-from mixprec.kit import BFLOAT16
+from mixprec.kit import BFLOAT16, user_stacklevel
 
 from .dtypes import BFLOAT16_NP
 
@@ -257,9 +257,10 @@ def slow_bf16_warning_text(policy_label: str) -> str:
     )
 
 
-def warn_islands(policy_label: str, compute: str, device: str, stacklevel: int = 3) -> None:
+def warn_islands(policy_label: str, compute: str, device: str) -> None:
     """Warn once when a ``compute`` policy cannot be fast on ``device``: its ops without a
-    bfloat16 kernel run as float32 islands, or every bfloat16 kernel is emulated."""
+    bfloat16 kernel run as float32 islands, or every bfloat16 kernel is emulated. The warning
+    points at the user's line (the ``Trainer(...)`` or ``init_trainer`` call)."""
     if compute != BFLOAT16 or device != "cpu":
         return
     ops = missing_bf16_cpu_ops()
@@ -269,4 +270,4 @@ def warn_islands(policy_label: str, compute: str, device: str, stacklevel: int =
         text = slow_bf16_warning_text(policy_label)
     else:
         return
-    warnings.warn(text, Bf16IslandWarning, stacklevel=stacklevel + 1)
+    warnings.warn(text, Bf16IslandWarning, stacklevel=user_stacklevel())

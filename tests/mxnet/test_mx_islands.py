@@ -190,3 +190,21 @@ def test_an_activation_read_outside_the_islands_stays_bfloat16() -> None:
     fc = [n for n in nodes if n["op"] == "FullyConnected"]
     if bf16_computes("FullyConnected") == "float32":  # two islands in a row
         assert nodes[fc[1]["inputs"][0][0]] is fc[0]  # outer reads inner's float32 output
+
+
+def test_the_island_warning_points_at_the_users_trainer_line() -> None:
+    """Where this CPU runs a bfloat16 policy slowly (ops without a bfloat16 kernel, or
+    emulated ones: the backend's own probes say which), the warning names the line that
+    built the Trainer, not mixprec's code."""
+    import warnings
+
+    from mixprec_mxnet.bf16_kernels import Bf16IslandWarning, bf16_cpu_is_fast
+
+    if not missing_bf16_cpu_ops() and bf16_cpu_is_fast():
+        pytest.skip("this CPU runs every bfloat16 op fast: no island warning to point anywhere")
+    net = mlp()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mpx.Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+    (warning,) = [w for w in seen if issubclass(w.category, Bf16IslandWarning)]
+    assert warning.filename == __file__, (warning.filename, warning.lineno)
