@@ -157,8 +157,6 @@ class Consensus:
         self.found: Any = None
         """The process group of the DDP that ran a model's forward (None: none seen yet)."""
         self.resolved = requested is not None
-        self.checked: weakref.WeakSet[Any] = weakref.WeakSet()
-        """The optimizer states whose first step checked the models."""
         self.hooks: list[Any] = []
         if requested is None:
             self.hooks = [m.register_forward_pre_hook(self._record) for m in models]
@@ -232,7 +230,7 @@ def check_first_step(st: Any, optimizer: torch.optim.Optimizer) -> None:
     :raises WrapError: naming the replaced parameters and the recipe that works.
     """
     consensus = _CONSENSUS.get(st.group)
-    if consensus is None or st in consensus.checked:
+    if consensus is None:
         st.models_checked = True
         return
     group = st.group
@@ -269,7 +267,6 @@ def check_first_step(st: Any, optimizer: torch.optim.Optimizer) -> None:
             "mixprec.torch.wrap(model, optimizer, policy). FSDP1 (FullyShardedDataParallel) "
             "is not supported: use FSDP2's fully_shard"
         )
-    consensus.checked.add(st)
     consensus.resolve()
     st.models_checked = True
 
