@@ -50,8 +50,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from mixprec.dtypes import BFLOAT16, canonical_dtype
+from mixprec.dtypes import BFLOAT16, FLOAT32, canonical_dtype
 from mixprec.errors import PolicyError, WrapError
+from mixprec.numerics.lowbit import describe_lowbit, parse_state_format
 
 __all__ = [
     "KAHAN",
@@ -108,23 +109,39 @@ def describe_strategy(master: str | None) -> str:
     return f"{master} master copies of the low-precision params"
 
 
-def check_state(state: object, master: str | None) -> str | None:
-    """The canonical ``state`` item: None (the optimizer's own dtype) or ``"bfloat16"``.
+def check_state(state: object, master: str | None, param: str = "float32") -> str | None:
+    """The canonical ``state`` item: None (the optimizer's own dtype), ``"bfloat16"`` or a
+    low-bit format (:mod:`mixprec.numerics.lowbit`: ``"int8"``, ``"int4"``, ``"fp8"``,
+    with settings in its canonical form).
 
     :param master: the policy's canonical ``master`` (a strategy, a dtype or None).
-    :raises PolicyError: ``state`` is not a dtype of :data:`STATE_DTYPES`, or ``master`` is
-        not a compensated strategy.
+    :param param: the policy's canonical ``param`` dtype.
+    :raises PolicyError: ``state`` is neither a dtype of :data:`STATE_DTYPES` nor a low-bit
+        format; ``"bfloat16"`` without a compensated strategy; a low-bit format where the
+        optimizer would not update float32 tensors (low-precision params, no master).
     """
     if state is None or (isinstance(state, str) and state.strip().lower() == "none"):
         return None
+    fmt = parse_state_format(state) if isinstance(state, str) else None
+    if fmt is not None:
+        if master is None and param != FLOAT32:
+            raise PolicyError(
+                f"state={fmt} quantizes the float32 optimizer state, but with param={param} "
+                "and no master the optimizer updates the low-precision params themselves. "
+                "Keep float32 masters (master='float32', presets 'O2', 'O2-bf16'), a "
+                "compensated strategy ('O3-bf16-kahan', 'O3-bf16-sr') or float32 params "
+                f"('O0,state={fmt.name}')"
+            )
+        return str(fmt)
     try:
         dtype = canonical_dtype(state)
     except (ValueError, TypeError):  # PolicyError and friends: reworded below
         dtype = None
     if dtype not in STATE_DTYPES:
         raise PolicyError(
-            f"state={state!r} is not a dtype the optimizer state can be kept in; use "
-            f"state='bfloat16' (with master=kahan or master=stochastic) or state=None "
+            f"state={state!r} is not a format the optimizer state can be kept in; use "
+            f"state='int8', 'int4' or 'fp8' (quantized, under any master strategy), "
+            "state='bfloat16' (with master=kahan or master=stochastic) or state=None "
             "(as the optimizer allocates it)"
         )
     if master not in MASTER_STRATEGIES:
@@ -132,7 +149,7 @@ def check_state(state: object, master: str | None) -> str | None:
             f"state={dtype} keeps the optimizer state in bfloat16 between steps, which only "
             f"the compensated strategies support, but master={master}. Use master='kahan' "
             "or 'stochastic' (presets 'O3-bf16-kahan,state=bfloat16', "
-            "'O3-bf16-sr,state=bfloat16'), or drop state"
+            "'O3-bf16-sr,state=bfloat16'), a low-bit format (state='int8'), or drop state"
         )
     return dtype
 
@@ -141,6 +158,9 @@ def describe_state(state: str | None) -> str:
     """One line saying how the optimizer state is kept between steps, for reports."""
     if state is None:
         return "as the optimizer allocates it"
+    fmt = parse_state_format(state)
+    if fmt is not None:
+        return describe_lowbit(fmt)
     return f"{state} between steps (stochastic rounding, seeded), float32 inside step()"
 
 

@@ -97,9 +97,13 @@ class Policy:
       compensated bfloat16 strategy, ``"kahan"`` or ``"stochastic"``
       (:mod:`mixprec.numerics.compensated`), which keeps no float32 copy;
     - ``reduce``: dtype of gradient communication;
-    - ``state``: None (the optimizer's state as it allocates it), or ``"bfloat16"``: under
+    - ``state``: None (the optimizer's state as it allocates it), ``"bfloat16"``: under
       a compensated ``master`` the optimizer's per-parameter state is kept in bfloat16
-      between steps, rounded stochastically (:mod:`mixprec.numerics.compensated`);
+      between steps, rounded stochastically (:mod:`mixprec.numerics.compensated`), or a
+      low-bit format, ``"int8"``, ``"int4"`` or ``"fp8"`` with its settings
+      (``"int8(block=128)"``): the state is kept quantized block-wise between steps under
+      any master strategy whose optimizer updates float32 tensors
+      (:mod:`mixprec.numerics.lowbit`);
     - ``fp8``: None, or the :class:`~mixprec.numerics.fp8.recipes.FP8Recipe` (``"tensorwise"``,
       ``"rowwise"``, ``"delayed"``, ``"mxfp8"``) under which the ``linear`` family runs as an
       FP8 GEMM on top of a bfloat16 or float16 compute dtype (:mod:`mixprec.numerics.fp8.recipes`);
@@ -155,7 +159,7 @@ class Policy:
                     f"hold every param value exactly. Use master='float32'"
                 )
         set_(self, "master", master)
-        set_(self, "state", check_state(self.state, master))
+        set_(self, "state", check_state(self.state, master, self.param))
         set_(self, "fp8", check_fp8(self.fp8, self.compute))
         if not isinstance(self.loss_scale, NoScale | StaticScale | DynamicScale):
             raise PolicyError(
