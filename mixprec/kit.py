@@ -8,7 +8,7 @@ announced in the changelog. Every other core module may move or change between r
 import-linter's ``forbidden`` contracts (``pyproject.toml``) keep the backends and plugins off
 them.
 
-The names come in six groups:
+The names come in seven groups:
 
 - **policy and resolution**: the :class:`Policy` value, its op vocabulary, dtype facts,
   spec parsing and ``auto`` resolution, the loss-scale configurations, the lint checks a
@@ -17,6 +17,8 @@ The names come in six groups:
   bookkeeping and the traceable scale update of functional backends;
 - **compensated and FP8**: the compensated master strategies and the FP8 recipes, delayed
   scaling and what-if statistics;
+- **low-bit optimizer state**: the ``int8``/``int4``/``fp8`` state formats, their maps and
+  sizes;
 - **reports**: dtype and overflow reports, and the advisor's run;
 - **plugin plumbing**: the hook marker, capabilities, backend lookup and lazy facades;
 - **atomic writes**: files written whole or not at all.
@@ -74,6 +76,16 @@ from mixprec.numerics.fp8.scaling import DelayedScaling
 from mixprec.numerics.fp8.stats import FP8Statistics
 from mixprec.numerics.guard import NORM_LIMIT, RepeatedSkipWarning, StepGuard, user_stacklevel
 from mixprec.numerics.loss_scale import DynamicScale, LossScaleConfig, NoScale, StaticScale
+from mixprec.numerics.lowbit import (
+    LOWBIT_FORMATS,
+    SIGNED_KEYS,
+    UNSIGNED_KEYS,
+    StateFormat,
+    StateMap,
+    parse_state_format,
+    state_bytes,
+    state_map,
+)
 from mixprec.numerics.masters import MasterWeights
 from mixprec.numerics.stages import Stage, StepTracker
 from mixprec.numerics.traced_scale import ScaleState, check_traceable, initial_scale, next_scale
@@ -136,6 +148,15 @@ __all__ = [  # noqa: RUF022 (grouped as the docstring lists them)
     "FP8Recipe",
     "FP8Statistics",
     "check_seed",
+    # low-bit optimizer state
+    "LOWBIT_FORMATS",
+    "SIGNED_KEYS",
+    "UNSIGNED_KEYS",
+    "StateFormat",
+    "StateMap",
+    "parse_state_format",
+    "state_bytes",
+    "state_map",
     # reports
     "RSS_MEASURE",
     "AdviceError",

@@ -46,13 +46,15 @@ Which tensors
     parameter's qualified name, e.g. ``keep=*embed*``: bitsandbytes' advice to keep an
     embedding's state in 32 bits): those stay float32.
 
-Spec form: ``state=int8``, or with settings ``state=int8(block=128,min_size=0,keep=*embed*|lm_head.*)``.
+Spec form: ``state=int8``, or with settings
+``state=int8(block=128,min_size=0,keep=*embed*|lm_head.*)``.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
+import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -86,7 +88,7 @@ DEFAULT_MIN_SIZE: Final = 4096
 #: The state keys quantized with the signed map, and the one with the unsigned map. Any
 #: other floating state key of the parameter's shape makes the optimizer unsupported.
 SIGNED_KEYS: tuple[str, ...] = ("exp_avg", "momentum_buffer")
-UNSIGNED_KEYS: tuple[str, ...] = ("exp_avg_sq",)
+UNSIGNED_KEYS: tuple[str, ...] = ("exp_avg_sq", "max_exp_avg_sq")
 _BLOCKS = tuple(2**k for k in range(5, 13))  # 32 .. 4096
 _SETTINGS = ("block", "min_size", "keep")
 
@@ -238,7 +240,7 @@ class StateMap:
         values = sorted(_f32(v) for v in values)
         if len(set(values)) != len(values) or max(abs(v) for v in values) != 1.0:
             raise AssertionError("a state map holds distinct values with largest magnitude 1")
-        mids = tuple(_f32((a + b) * 0.5) for a, b in zip(values, values[1:], strict=False))
+        mids = tuple(_f32((a + b) * 0.5) for a, b in itertools.pairwise(values))
         return cls(tuple(values), mids)
 
 

@@ -95,7 +95,7 @@ def test_bf16_state_needs_a_compensated_strategy(spec: str) -> None:
         get_policy("O3-bf16-kahan,state=bfloat16", master="float32")
 
 
-@pytest.mark.parametrize("value", ["float16", "float32", "int8"])
+@pytest.mark.parametrize("value", ["float16", "float32", "int3", "uint8"])
 def test_other_state_dtypes_are_refused(value: str) -> None:
     with pytest.raises(PolicyError, match="state='bfloat16'"):
         get_policy("O3-bf16-kahan", state=value)

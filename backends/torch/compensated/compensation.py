@@ -159,7 +159,8 @@ class Compensation:
         self.streams = [Stream(seed) for _ in self.flats]
         self.state: StateRounding | None = None
         """Under ``state="bfloat16"`` on the generic path: the state's flat bfloat16 buffers."""
-        if state is not None:
+        bf16_state = state == "bfloat16"  # a low-bit state is mixprec_torch.lowbit's
+        if bf16_state:
             self.state = StateRounding([flat.masters for flat in self.flats])
         mode = FUSED_KAHAN if strategy == KAHAN else FUSED_STOCHASTIC
         self._fused: dict[int, tuple[FusedParam, torch.Tensor, int]] = {}
@@ -171,7 +172,7 @@ class Compensation:
             for param, master, comp, offset in zip(
                 flat.params, flat.masters, comps, flat.offsets, strict=True
             ):
-                view = FusedParam(param, comp, offset, mode, state is not None)
+                view = FusedParam(param, comp, offset, mode, bf16_state)
                 self._fused[id(master)] = (view, param, d)
                 self._handled.add(id(param))
                 if comp is not None:

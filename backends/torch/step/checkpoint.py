@@ -373,10 +373,14 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
             st.group.fp8.check_state_dict(extra["fp8"])
     if st is not None:
         _check_finite_state(state_dict.get("state"))
+        if st.group.lowbit is not None:
+            st.group.lowbit.check_state_dict(self, state_dict.get("state"))
     base = base_class(self)
     base.load_state_dict(self, state_dict)
     if st is not None and st.group.compensation is not None:
         st.group.compensation.adopt_state(self)  # torch cast a bfloat16 state to float32
+    if st is not None and st.group.lowbit is not None:
+        st.group.lowbit.adopt(self)  # a float32 state quantized, absmax back to float32
     if extra is not None and st is not None and steps is not None:
         st.group.scaler.load_state_dict(extra["scaler"])
         if st.group.compensation is not None and "compensation" in extra:

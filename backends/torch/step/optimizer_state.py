@@ -67,6 +67,16 @@ class StepCompensation(Protocol):
     def load_state_dict(self, sd: dict[str, Any]) -> None: ...
 
 
+class StepLowBit(Protocol):
+    """What the step and the checkpoints ask of a low-bit optimizer state
+    (:class:`mixprec_torch.lowbit.state.LowBitState`)."""
+
+    def widen(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def narrow(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def check_state_dict(self, optimizer: torch.optim.Optimizer, state: Any) -> None: ...
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+
 class StepState(Protocol):
     """State a step changes that checkpoints carry in the optimizer's state dict."""
 
@@ -130,6 +140,8 @@ class WrapGroup:
         """Each optimizer of a round skips only on its own overflow (``skip="optimizer"``)."""
         self.compensation: StepCompensation | None = None
         """Under ``master=kahan|stochastic``: the strategy's buffers and its step passes."""
+        self.lowbit: StepLowBit | None = None
+        """Under ``state=int8|int4|fp8``: the quantized optimizer state's codec."""
         self.fp8: StepState | None = None
         """Under ``fp8``: the FP8 layers and the delayed recipe's state
         (:class:`mixprec_torch.fp8.layers.FP8Layers`)."""

@@ -509,10 +509,11 @@ def _update(
         return
     lay = layout(st, optimizer)
     compensation = st.group.compensation
+    lowbit = st.group.lowbit
     if compensation is None:
         if lay.params:  # weights written since the last master copy (weight surgery)
             refresh_edited_masters(st.group, lay)
-    elif _fused(st, optimizer, lay):
+    elif lowbit is None and _fused(st, optimizer, lay):
         # one pass per tensor, no float32 working masters (torch's SGD/Adam/AdamW)
         grads_cast = st.iteration.grads_cast
         run_step_hooks(
@@ -523,10 +524,14 @@ def _update(
         if not st.iteration.grads_cast:  # the guard pass left them to the fused update
             copy_grads_to_masters(st, optimizer)
         compensation.fill(optimizer)  # float32 working masters: w + c (kahan) or w
+    if lowbit is not None:
+        lowbit.widen(optimizer)  # the quantized state decoded into float32
     if closure is None:
         base_class(optimizer).step(optimizer)
     else:
         base_class(optimizer).step(optimizer, _reevaluating(st, optimizer, closure, loss))  # type: ignore[call-arg]
+    if lowbit is not None:
+        lowbit.narrow(optimizer)  # and encoded again
     if compensation is not None:
         compensation.store(optimizer)  # back into bfloat16 params, the residual or noise kept
     elif lay.params:

@@ -39,12 +39,14 @@ from mixprec.kit import (
     check_adam_eps,
     check_scaler_without_masters,
     is_low_precision,
+    parse_state_format,
 )
 
 from ..copies import CopyOnly
 from ..devices import capabilities, device_capability
 from ..dtypes import dtype_name, refuse_complex
 from ..fp8.layers import FP8Layers, plan_fp8
+from ..lowbit.state import supported_optimizer
 from ..o1.autocast import OpCasting
 from ..o1.autocast_kernels import foreign
 from ..step.checkpoint import ModelCheckpoint
@@ -172,7 +174,24 @@ def plan_wrap(
     plan = WrapPlan(models, optimizers, params, policy, device, fsdp, castings, planned, fp8)
     names = {pid: name for pid, (name, _) in params.items()}
     _lint(optimizers, policy, names, planned, plan.masters_on)
+    _check_lowbit(optimizers, policy, fsdp)
     return plan
+
+
+def _check_lowbit(optimizers: Sequence[torch.optim.Optimizer], policy: Policy, fsdp: bool) -> None:
+    """Refuse a low-bit ``state`` for optimizers whose state it cannot quantize, and under
+    FSDP (whose sharded state it does not quantize yet)."""
+    fmt = parse_state_format(policy.state) if policy.state is not None else None
+    if fmt is None:
+        return
+    if fsdp and optimizers:
+        raise WrapError(
+            f"state={fmt} is not supported under FSDP yet: the sharded optimizer state would "
+            "have to be quantized per shard and checkpointed through DCP, which mixprec does "
+            "not do. Use DDP (the state is quantized on each rank), or drop state=..."
+        )
+    for opt in optimizers:
+        supported_optimizer(opt, getattr(type(opt), "_mixprec_base", type(opt)), fmt)
 
 
 def _wrapped_parallel(model: nn.Module) -> str | None:

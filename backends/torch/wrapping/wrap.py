@@ -30,12 +30,14 @@ from mixprec.kit import (
     MasterWeights,
     StepGuard,
     check_seed,
+    parse_state_format,
     resolve_for_device,
 )
 
 from ..compensated.compensation import Compensation
 from ..devices import capabilities, device_capability, device_key
 from ..dtypes import dtype_name, torch_dtype
+from ..lowbit.state import LowBitState
 from ..step.checkpoint import ModelCheckpoint
 from ..step.distributed import check_process_group, register_consensus
 from ..step.master_update import prefer_fused_kernel
@@ -184,6 +186,11 @@ def apply_plan(
         # after the cast: the masters still hold the exact float32 values, the params bf16
         pairs = [(p, m) for p, m in masters.copied_pairs() if p.dtype == torch.bfloat16]
         group.compensation = Compensation(pairs, strategy, seed, state=policy.state)
+    lowbit = parse_state_format(policy.state) if policy.state is not None else None
+    if lowbit is not None and plan.optimizers:
+        updated = {id(m): names[id(p)] for p, m in masters.copied_pairs() if id(p) in names}
+        updated.update((pid, name) for pid, name in names.items() if pid not in updated)
+        group.lowbit = LowBitState(lowbit, updated)
     if plan.fp8 is not None:  # before the casting hooks, which may wrap the forwards
         plan.fp8.install()
         group.fp8 = plan.fp8

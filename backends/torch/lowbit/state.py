@@ -1,0 +1,300 @@
+"""The optimizer's state kept quantized between steps, widened to float32 inside ``step()``.
+
+Under a policy whose ``state`` is a low-bit format (:mod:`mixprec.numerics.lowbit`) every
+parameter the format quantizes (at least ``min_size`` elements, not named by ``keep``) keeps,
+between two steps, in ``optimizer.state[param]``:
+
+- for each state key of :data:`~mixprec.kit.SIGNED_KEYS` / :data:`~mixprec.kit.UNSIGNED_KEYS`
+  the optimizer has (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``):
+  the codes under the same key (a flat ``uint8`` tensor, two codes a byte for ``int4``) and
+  the blocks' float32 absmax under ``<key>.absmax``;
+- ``"mixprec.state"``: the format and block size the codes were written with
+  (``"int8/256"``), which a load checks.
+
+So ``optimizer.state_dict()`` is small and loads through ``torch.load(weights_only=True)``,
+and an unwrapped optimizer refuses it loudly (a ``uint8`` moment of another shape) instead of
+training on it. :meth:`LowBitState.widen`, before the optimizer's own update, decodes the
+codes into fresh float32 tensors of the parameter's shape under the original keys;
+:meth:`LowBitState.narrow`, after it, encodes them again, first checking every block's
+absmax is finite (a non-finite moment would decode as garbage): if one is not, the state
+keeps the codes it had before this step and :class:`~mixprec.errors.PolicyError` names the
+tensor. A skipped step never reaches either, so its quantized state stays bit for bit.
+
+Loading (:meth:`LowBitState.check_state_dict` before anything changes, then
+:meth:`LowBitState.adopt`): codes written under another format or block size are refused;
+a float32 state (a checkpoint of an unwrapped optimizer, or of ``state=None``) is quantized
+(the documented way in: lossy as a step is); quantized state of a parameter the policy now
+keeps in float32 (``min_size`` or ``keep`` changed) is decoded. :func:`float32_state_dict`
+is the way back out: an optimizer state dict with every quantized tensor decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeGuard
+
+import torch
+
+from mixprec.errors import CheckpointError, PolicyError, WrapError
+from mixprec.kit import SIGNED_KEYS, UNSIGNED_KEYS, StateFormat, parse_state_format
+
+from .codec import code_count, dequantize, quantize
+
+__all__ = ["FORMAT_KEY", "LowBitState", "float32_state_dict", "supported_optimizer"]
+
+FORMAT_KEY = "mixprec.state"
+_SUFFIX = ".absmax"
+_KEYS = {**{k: True for k in SIGNED_KEYS}, **{k: False for k in UNSIGNED_KEYS}}
+_SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _tag(fmt: StateFormat) -> str:
+    return f"{fmt.name}/{fmt.block}"
+
+
+def _format_of(tag: object) -> tuple[str, int] | None:
+    if not isinstance(tag, str) or tag.count("/") != 1:
+        return None
+    name, block = tag.split("/")
+    fmt = parse_state_format(name)
+    if fmt is None or not block.isdigit():
+        return None
+    return name, int(block)
+
+
+def supported_optimizer(optimizer: torch.optim.Optimizer, base: type, fmt: StateFormat) -> None:
+    """Refuse an optimizer whose state the format cannot quantize.
+
+    :raises WrapError: not ``torch.optim.Adam``, ``AdamW`` or ``SGD``.
+    """
+    if not issubclass(base, _SUPPORTED):
+        raise WrapError(
+            f"state={fmt} quantizes the state of torch.optim.Adam, AdamW and SGD (momentum), "
+            f"but the optimizer is {type(optimizer).__name__}, whose state mixprec does not "
+            "know how to quantize. Use one of those optimizers, or a policy without a low-bit "
+            "state (drop state=...)"
+        )
+
+
+class LowBitState:
+    """The quantized state of one ``wrap`` call's optimizers (see the module).
+
+    :param fmt: the policy's low-bit format.
+    :param names: id(tensor the optimizer updates) -> the parameter's qualified name.
+    """
+
+    def __init__(self, fmt: StateFormat, names: Mapping[int, str]) -> None:
+        self.fmt = fmt
+        self.tag = _tag(fmt)
+        self.names = dict(names)
+        self._held: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        """The codes :meth:`widen` decoded, until :meth:`narrow` replaces them."""
+
+    def _quantized(self, param: torch.Tensor) -> bool:
+        return self.fmt.quantizes(param.numel(), self.names.get(id(param)))
+
+    def _params(self, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
+    # ------------------------------------------------------------------ the step
+
+    def widen(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the update: every quantized state tensor decoded into float32."""
+        self._held = []
+        with torch.no_grad():
+            for param in self._params(optimizer):
+                state = optimizer.state.get(param)
+                if not state or state.get(FORMAT_KEY) != self.tag:
+                    continue
+                for key, signed in _KEYS.items():
+                    codes = state.get(key)
+                    scale = state.pop(key + _SUFFIX, None)
+                    if codes is None or scale is None:
+                        continue
+                    self._held.append((state, key, codes, scale))
+                    state[key] = dequantize(codes, scale, self.fmt, signed, param.numel()).view(
+                        param.shape
+                    )
+                del state[FORMAT_KEY]
+
+    def narrow(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the update: every state tensor of a quantized parameter encoded again.
+
+        :raises PolicyError: a state tensor holds inf or NaN; the state is left as before
+            the step (codes and absmax).
+        """
+        encoded: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for param in self._params(optimizer):
+                state = optimizer.state.get(param)
+                if not state or not self._quantized(param):
+                    continue
+                for key, signed in _KEYS.items():
+                    value = state.get(key)
+                    if not _is_moment(value, param):
+                        continue
+                    codes, scale = quantize(value.detach().float(), self.fmt, signed)
+                    encoded.append((state, key, codes, scale))
+            held, self._held = self._held, []
+            if not encoded:
+                return
+            finite = torch.stack([torch.isfinite(s).all() for *_, s in encoded]).all()
+            if not bool(finite):
+                bad = next(i for i, e in enumerate(encoded) if not torch.isfinite(e[3]).all())
+                for state, key, codes, scale in held:  # the state as it was before the step
+                    state[key] = codes
+                    state[key + _SUFFIX] = scale
+                    state[FORMAT_KEY] = self.tag
+                raise self._non_finite(optimizer, encoded[bad][0], encoded[bad][1])
+        for state, key, codes, scale in encoded:
+            state[key] = codes
+            state[key + _SUFFIX] = scale
+            state[FORMAT_KEY] = self.tag
+
+    def _non_finite(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], key: str
+    ) -> PolicyError:
+        owners = (p for p in self._params(optimizer) if optimizer.state.get(p) is state)
+        name = next((self.names.get(id(p), "?") for p in owners), "?")
+        return PolicyError(
+            f"state={self.fmt}: the optimizer's update made {key} of parameter {name!r} inf or "
+            "NaN, which a quantized state cannot hold. Lower the learning rate or clip the "
+            f"gradients, or keep this parameter's state in float32 (state={self.fmt.name}"
+            f"(keep={name}))"
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def check_state_dict(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
+        """Refuse a state dict's ``state`` written under another format or block size, or
+        with codes that do not fit its parameter, before anything is loaded.
+
+        :raises CheckpointError: what is wrong and how to convert it.
+        """
+        if not isinstance(state, Mapping):
+            return
+        params = list(self._params(optimizer))
+        for index, entry in state.items():
+            if not isinstance(entry, Mapping) or FORMAT_KEY not in entry:
+                continue
+            tag = entry[FORMAT_KEY]
+            found = _format_of(tag)
+            param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+            named = param is not None and id(param) in self.names
+            where = f"state {index}" + (f" ({self.names[id(param)]!r})" if named else "")
+            if found is None or tag != self.tag:
+                raise CheckpointError(
+                    f"the optimizer checkpoint's {where} was quantized as {tag!r}, but this "
+                    f"optimizer keeps its state as {self.tag!r} (policy state={self.fmt}). "
+                    "Wrap with the checkpoint's state format, or convert the checkpoint with "
+                    "mixprec.torch.float32_state_dict(state_dict) first: a float32 state "
+                    "loads under any format"
+                )
+            if param is None:
+                continue
+            for key in _KEYS:
+                codes, scale = entry.get(key), entry.get(key + _SUFFIX)
+                if codes is None and scale is None:
+                    continue
+                blocks = -(-param.numel() // self.fmt.block)
+                if (
+                    not isinstance(codes, torch.Tensor)
+                    or not isinstance(scale, torch.Tensor)
+                    or codes.dtype != torch.uint8
+                    or codes.numel() != code_count(self.fmt, param.numel())
+                    or scale.numel() != blocks
+                    or not scale.is_floating_point()
+                ):
+                    raise CheckpointError(
+                        f"the optimizer checkpoint's {where} {key} does not fit its parameter "
+                        f"of {param.numel()} elements under {self.tag} (expected "
+                        f"{code_count(self.fmt, param.numel())} uint8 codes and {blocks} "
+                        "float32 absmax); the checkpoint belongs to another model or is damaged"
+                    )
+                if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+                    raise CheckpointError(
+                        f"the optimizer checkpoint's {where} {key}.absmax holds inf, NaN or a "
+                        "negative scale; the checkpoint is damaged. Load an earlier one"
+                    )
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``load_state_dict``: float32 state of quantized parameters is encoded (a
+        float32 checkpoint), quantized state of parameters now kept float32 is decoded."""
+        with torch.no_grad():
+            for param in self._params(optimizer):
+                state = optimizer.state.get(param)
+                if not state:
+                    continue
+                if FORMAT_KEY in state:
+                    for key in _KEYS:  # torch cast the absmax to the parameter's dtype
+                        if key + _SUFFIX in state:
+                            state[key + _SUFFIX] = state[key + _SUFFIX].float()
+                    if not self._quantized(param):
+                        self._decode(state, param)
+                elif self._quantized(param):
+                    self._encode(state, param)
+
+    def _decode(self, state: dict[str, Any], param: torch.Tensor) -> None:
+        for key, signed in _KEYS.items():
+            scale = state.pop(key + _SUFFIX, None)
+            if scale is not None and key in state:
+                state[key] = (
+                    dequantize(state[key], scale, self.fmt, signed, param.numel())
+                    .view(param.shape)
+                    .to(param.dtype)
+                )
+        state.pop(FORMAT_KEY, None)
+
+    def _encode(self, state: dict[str, Any], param: torch.Tensor) -> None:
+        for key, signed in _KEYS.items():
+            value = state.get(key)
+            if _is_moment(value, param):
+                state[key], state[key + _SUFFIX] = quantize(value.float(), self.fmt, signed)
+                state[FORMAT_KEY] = self.tag
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+        """(bytes of optimizer state tensors, parameters) between steps, for reports."""
+        total = params = 0
+        for param in self._params(optimizer):
+            params += param.numel()
+            for value in (optimizer.state.get(param) or {}).values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    total += value.numel() * value.element_size()
+        return total, params
+
+
+def _is_moment(value: object, param: torch.Tensor) -> TypeGuard[torch.Tensor]:
+    return (
+        isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
+    )
+
+
+def float32_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every quantized state tensor decoded into float32 of
+    its parameter's shape: a checkpoint that loads under any state format, and into an
+    unwrapped optimizer (the way back from a low-bit policy; load a quantized checkpoint
+    into an optimizer wrapped with its format first).
+
+    :raises WrapError: ``optimizer`` was not wrapped with a low-bit ``state``.
+    """
+    st = getattr(optimizer, "_mixprec", None)
+    lowbit = None if st is None else st.group.lowbit
+    if lowbit is None:
+        raise WrapError(
+            "float32_state_dict(optimizer) decodes a low-bit optimizer state, but this "
+            "optimizer was not wrapped with a policy whose state is int8, int4 or fp8; its "
+            "state_dict() is float32 already"
+        )
+    sd: dict[str, Any] = optimizer.state_dict()
+    params = list(lowbit._params(optimizer))
+    new_state: dict[Any, Any] = {}
+    for index, entry in sd["state"].items():
+        if not isinstance(entry, Mapping) or FORMAT_KEY not in entry:
+            new_state[index] = entry
+            continue
+        entry = dict(entry)
+        lowbit._decode(entry, params[index])
+        new_state[index] = entry
+    sd["state"] = new_state
+    return sd
