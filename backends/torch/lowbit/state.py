@@ -8,8 +8,9 @@ between two steps, in ``optimizer.state[param]``:
   the optimizer has (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``):
   the codes under the same key (a flat ``uint8`` tensor, two codes a byte for ``int4``) and
   the blocks' float32 absmax under ``<key>.absmax``;
-- ``"mixprec.state"``: the format and block size the codes were written with
-  (``"int8/256"``), which a load checks.
+- ``"mixprec.state"``: the format and block size the codes were written with, as ints
+  (``(0, 256)``: ``int8``, the index in ``LOWBIT_FORMATS``, and 256 elements a block), which
+  a load checks.
 
 So ``optimizer.state_dict()`` is small and loads through ``torch.load(weights_only=True)``,
 and an unwrapped optimizer refuses it loudly (a ``uint8`` moment of another shape) instead of
@@ -36,7 +37,7 @@ from typing import Any, TypeGuard
 import torch
 
 from mixprec.errors import CheckpointError, PolicyError, WrapError
-from mixprec.kit import SIGNED_KEYS, UNSIGNED_KEYS, StateFormat, parse_state_format
+from mixprec.kit import LOWBIT_FORMATS, SIGNED_KEYS, UNSIGNED_KEYS, StateFormat
 
 from .codec import code_count, dequantize, quantize
 
@@ -48,18 +49,28 @@ _KEYS = {**{k: True for k in SIGNED_KEYS}, **{k: False for k in UNSIGNED_KEYS}}
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
-def _tag(fmt: StateFormat) -> str:
-    return f"{fmt.name}/{fmt.block}"
+def _tag(fmt: StateFormat) -> tuple[int, int]:
+    """The format as the state holds it: (its index in ``LOWBIT_FORMATS``, the block size).
+    Ints, not text: torch's ``load_state_dict`` rebuilds every iterable value of the state
+    element by element, which turns a string into the text of a generator."""
+    return (LOWBIT_FORMATS.index(fmt.name), fmt.block)
+
+
+def _shown(tag: object) -> str:
+    """A tag as the policy text it stands for (``int8(block=256)``), or its repr."""
+    found = _format_of(tag)
+    return repr(tag) if found is None else f"{found[0]}(block={found[1]})"
 
 
 def _format_of(tag: object) -> tuple[str, int] | None:
-    if not isinstance(tag, str) or tag.count("/") != 1:
+    if (
+        not isinstance(tag, tuple | list)
+        or len(tag) != 2
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in tag)
+        or not 0 <= tag[0] < len(LOWBIT_FORMATS)
+    ):
         return None
-    name, block = tag.split("/")
-    fmt = parse_state_format(name)
-    if fmt is None or not block.isdigit():
-        return None
-    return name, int(block)
+    return LOWBIT_FORMATS[tag[0]], tag[1]
 
 
 def supported_optimizer(optimizer: torch.optim.Optimizer, base: type, fmt: StateFormat) -> None:
@@ -105,7 +116,7 @@ class LowBitState:
         with torch.no_grad():
             for param in self._params(optimizer):
                 state = optimizer.state.get(param)
-                if not state or state.get(FORMAT_KEY) != self.tag:
+                if not state or tuple(state.get(FORMAT_KEY, ())) != self.tag:
                     continue
                 for key, signed in _KEYS.items():
                     codes = state.get(key)
@@ -183,10 +194,11 @@ class LowBitState:
             param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
             named = param is not None and id(param) in self.names
             where = f"state {index}" + (f" ({self.names[id(param)]!r})" if named else "")
-            if found is None or tag != self.tag:
+            if found is None or tuple(tag) != self.tag:
                 raise CheckpointError(
-                    f"the optimizer checkpoint's {where} was quantized as {tag!r}, but this "
-                    f"optimizer keeps its state as {self.tag!r} (policy state={self.fmt}). "
+                    f"the optimizer checkpoint's {where} was quantized as {_shown(tag)}, but "
+                    f"this optimizer keeps its state as {_shown(self.tag)} (policy "
+                    f"state={self.fmt}). "
                     "Wrap with the checkpoint's state format, or convert the checkpoint with "
                     "mixprec.torch.float32_state_dict(state_dict) first: a float32 state "
                     "loads under any format"
@@ -208,7 +220,7 @@ class LowBitState:
                 ):
                     raise CheckpointError(
                         f"the optimizer checkpoint's {where} {key} does not fit its parameter "
-                        f"of {param.numel()} elements under {self.tag} (expected "
+                        f"of {param.numel()} elements under {_shown(self.tag)} (expected "
                         f"{code_count(self.fmt, param.numel())} uint8 codes and {blocks} "
                         "float32 absmax); the checkpoint belongs to another model or is damaged"
                     )
@@ -219,16 +231,20 @@ class LowBitState:
                     )
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """After ``load_state_dict``: float32 state of quantized parameters is encoded (a
-        float32 checkpoint), quantized state of parameters now kept float32 is decoded."""
+        """After ``load_state_dict`` (which casts every state tensor to the parameter's dtype):
+        the codes back to ``uint8``; float32 state of quantized parameters encoded (a
+        float32 checkpoint); quantized state of parameters now kept float32 decoded."""
         with torch.no_grad():
             for param in self._params(optimizer):
                 state = optimizer.state.get(param)
                 if not state:
                     continue
                 if FORMAT_KEY in state:
-                    for key in _KEYS:  # torch cast the absmax to the parameter's dtype
+                    # torch cast every state tensor to the parameter's dtype: the codes to
+                    # float32 (exact: integers below 256), so back to uint8
+                    for key in _KEYS:
                         if key + _SUFFIX in state:
+                            state[key] = state[key].to(torch.uint8)
                             state[key + _SUFFIX] = state[key + _SUFFIX].float()
                     if not self._quantized(param):
                         self._decode(state, param)
