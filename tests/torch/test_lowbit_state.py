@@ -80,7 +80,6 @@ def _same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) 
     )
 
 
-
 @pytest.mark.parametrize("base", STRATEGIES)
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_every_strategy_trains_with_quantized_moments(base: str, fmt: str) -> None:
@@ -199,12 +198,13 @@ def test_damaged_codes_or_scales_are_refused() -> None:
         ("exp_avg", entry["exp_avg"].float()),
     ):
         damaged = {**sd, "state": {**sd["state"], 0: {**entry, key: value}}}
-        with pytest.raises(CheckpointError, match="does not fit|inf or NaN"):
+        with pytest.raises(CheckpointError, match=r"does not fit|inf or NaN"):
             opt.load_state_dict(damaged)
     nan = entry["exp_avg_sq.absmax"].clone()
     nan[0] = float("nan")
+    damaged = {**sd, "state": {**sd["state"], 0: {**entry, "exp_avg_sq.absmax": nan}}}
     with pytest.raises(CheckpointError, match="inf or NaN"):
-        opt.load_state_dict({**sd, "state": {**sd["state"], 0: {**entry, "exp_avg_sq.absmax": nan}}})
+        opt.load_state_dict(damaged)
 
 
 def test_float32_checkpoint_loads_into_a_quantized_policy_and_back() -> None:
