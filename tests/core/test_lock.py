@@ -431,3 +431,18 @@ def test_changes_name_each_kind_of_change_with_the_versions() -> None:
         f"new: not in the lock -> bfloat16 {why}",
     ]
     assert changes(old, old) == []
+
+
+def test_a_lock_records_the_optimizer_state_format_and_names_its_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = tmp_path / "train.toml"
+    policy.write_text('base = "O2-bf16"\nstate = "int8"\n')
+    out = tmp_path / "train.lock"
+    assert main(["lock", str(policy), "--backend", "numpy", "-o", str(out)]) == 0
+    assert locking.read_lock(out).resolved == "base=O2-bf16,state=int8"
+    policy.write_text('base = "O2-bf16"\nstate = "int4(block=64)"\n')
+    assert mixprec.check_lock(out).changes == [
+        "resolved: base=O2-bf16,state=int8 -> base=O2-bf16,state=int4(block=64) (same versions)"
+    ]
+    capsys.readouterr()

@@ -154,6 +154,7 @@ def ddp_bf16(rank: int, world: int) -> Result:
         ("O3-bf16-kahan", True),
         ("O3-bf16-sr", True),
         ("O3-bf16-sr,state=bfloat16", True),
+        ("O2-bf16,state=int8(min_size=0)", True),  # every moment quantized on each rank
     )
     for policy, hook in runs:
         model = make_model()
@@ -172,6 +173,14 @@ def ddp_bf16(rank: int, world: int) -> Result:
             "moved": params != initial,
             "param_dtypes": [str(p.dtype) for p in model.parameters()],
             "state": state_of(optimizer),
+            "moment_dtypes": sorted(
+                {
+                    str(v.dtype)
+                    for s in optimizer.state.values()
+                    for k, v in s.items()
+                    if k == "exp_avg"
+                }
+            ),
         }
     return out
 

@@ -176,7 +176,8 @@ def test_ddp_inf_on_one_rank_skips_the_step_on_every_rank(ranks: list[dict[str, 
 def test_ddp_bf16_policies_keep_ranks_identical(ranks: list[dict[str, Any]]) -> None:
     r0, r1 = scenario(ranks, "ddp_bf16")
     for policy in (
-        "O2-bf16", "O1-bf16", "O3-bf16-kahan", "O3-bf16-sr", "O3-bf16-sr,state=bfloat16"
+        "O2-bf16", "O1-bf16", "O3-bf16-kahan", "O3-bf16-sr", "O3-bf16-sr,state=bfloat16",
+        "O2-bf16,state=int8(min_size=0)",
     ):  # fmt: skip
         a, b = r0[policy], r1[policy]
         assert a["moved"] and b["moved"]
@@ -189,6 +190,7 @@ def test_ddp_bf16_policies_keep_ranks_identical(ranks: list[dict[str, Any]]) -> 
         "torch.bfloat16", "torch.bfloat16",  # Linear
     ]  # fmt: skip
     assert set(r0["O1-bf16"]["param_dtypes"]) == {"torch.float32"}
+    assert r0["O2-bf16,state=int8(min_size=0)"]["moment_dtypes"] == ["torch.uint8"]
 
 
 @two_ranks
@@ -602,3 +604,16 @@ def test_a_parameter_replaced_after_wrap_is_refused_at_the_first_step() -> None:
     with pytest.raises(mixprec.WrapError, match=r"weight replaced"):
         optimizer.step()
     assert mixprec.torch.state(optimizer).steps == 0
+
+
+@needs_gloo
+def test_low_bit_state_under_fsdp2_is_refused_before_anything_changes(
+    one_rank_group: Any,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    fully_shard_with_policy(model, "O2-bf16,state=int8")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(mixprec.WrapError, match="not supported under FSDP yet.*Use DDP"):
+        mixprec.torch.wrap(model, optimizer, policy="O2-bf16,state=int8")
+    assert not hasattr(optimizer, "_mixprec")
