@@ -614,6 +614,6 @@ def test_low_bit_state_under_fsdp2_is_refused_before_anything_changes(
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     fully_shard_with_policy(model, "O2-bf16,state=int8")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(mixprec.WrapError, match="not supported under FSDP yet.*Use DDP"):
+    with pytest.raises(mixprec.WrapError, match=r"not supported under FSDP yet.*Use DDP"):
         mixprec.torch.wrap(model, optimizer, policy="O2-bf16,state=int8")
     assert not hasattr(optimizer, "_mixprec")
