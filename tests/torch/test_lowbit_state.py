@@ -316,3 +316,16 @@ def test_policy_text_and_explain_name_the_state() -> None:
         mixprec.get_policy("O2,state=int8(block=100)")
     with pytest.raises(PolicyError, match="no master"):
         mixprec.get_policy("O3,state=int8")
+
+
+def test_the_guides_example_runs_as_shown(tmp_path: Any, monkeypatch: Any) -> None:
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    code = guide.split("<!-- lowbit example -->\n```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    printed: list[str] = []
+    exec(compile(code, "guide.md", "exec"), {"print": lambda *a: printed.append(str(a))})
+    assert printed == ["(torch.uint8, torch.Size([64]))"]
+    sd = torch.load(tmp_path / "opt.pt", weights_only=True)
+    assert sd["state"][0]["mixprec.state"] == (0, 256)
