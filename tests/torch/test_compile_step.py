@@ -90,6 +90,12 @@ def test_compiled_step_of_a_compensated_preset_matches_eager(policy: str) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", ["O2-bf16,state=int8(min_size=0)", "O0,state=int4(min_size=0)"])
+def test_compiled_step_with_low_bit_state_matches_eager(policy: str) -> None:
+    _same_training(policy, "inductor")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["O1-bf16", "O2-bf16", "O3-bf16", "O2"])
 def test_compiled_step_matches_eager(policy: str) -> None:
     _same_training(policy, "inductor")
