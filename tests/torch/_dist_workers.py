@@ -388,7 +388,7 @@ def dcp_resume(rank: int, world: int) -> Result:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
 
-    from mixprec_torch.step.checkpoint import get_state_dict, set_state_dict
+    from mixprec.torch import get_state_dict, set_state_dict
 
     def build(kind: str, policy: str) -> tuple[Any, Any, Any]:
         model = make_model()

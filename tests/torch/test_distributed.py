@@ -553,7 +553,7 @@ def test_lightning_ddp_spawn_with_the_plugin_trains(tmp_path: Path) -> None:
 def test_dcp_state_dicts_of_a_plain_wrapped_model_resume_exactly(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from mixprec_torch.step.checkpoint import get_state_dict, set_state_dict
+    from mixprec.torch import get_state_dict, set_state_dict
 
     def build() -> tuple[Any, Any]:
         torch.manual_seed(0)
