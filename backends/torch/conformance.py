@@ -16,12 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.errors import UnsupportedDtypeError
-from mixprec.kit import MX_BLOCK, Policy
+from mixprec.errors import PolicyError, UnsupportedDtypeError
+from mixprec.kit import LOWBIT_FORMATS, MX_BLOCK, Policy, parse_state_format
 
 from .devices import capabilities
 from .dtypes import dtype_name, torch_dtype
 from .fp8.numerics import quantise
+from .lowbit.codec import dequantize
+from .lowbit.codec import quantize as lowbit_quantize
 from .o1.autocast import OpCasting, region
 from .o1.autocast_kernels import install
 from .o1.probes import PROBES, result_dtype
@@ -50,7 +52,7 @@ class TorchAdapter:
     name = "torch"
     device = "cpu"
     master_strategies = ("kahan", "stochastic")
-    state_dtypes = ("bfloat16",)
+    state_dtypes = ("bfloat16", *LOWBIT_FORMATS)
 
     def __init__(self) -> None:
         self._castings: dict[Policy, OpCasting] = {}
@@ -88,6 +90,18 @@ class TorchAdapter:
         if recipe == "mxfp8":  # one per element, constant over each block: its first
             scales = scales[:, ::MX_BLOCK]
         return quantised.q.float().tolist(), scales.flatten().tolist()
+
+    def lowbit_quantize(
+        self, state: str, signed: bool, values: list[float]
+    ) -> tuple[list[int], list[float], list[float]]:
+        """``values`` encoded and decoded by the low-bit state's codec (:mod:`.lowbit.codec`)."""
+        fmt = parse_state_format(state)
+        if fmt is None:
+            raise PolicyError(f"{state!r} is not a low-bit format; one of {LOWBIT_FORMATS}")
+        x = torch.tensor(values, dtype=torch.float32, device=self.device)
+        codes, absmax = lowbit_quantize(x, fmt, signed)
+        decoded = dequantize(codes, absmax, fmt, signed, x.numel())
+        return codes.tolist(), absmax.tolist(), decoded.tolist()
 
 
 class TorchTrainer:

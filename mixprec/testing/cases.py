@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FP8_POLICIES",
+    "LOWBIT_POLICIES",
     "LOWP_DTYPES",
     "OVERFLOW_SEQUENCE",
     "BackendUnderTest",
@@ -77,6 +78,15 @@ _EDITS: dict[str, list[str]] = {
 _TRAINER_PRESETS = ("O0", "O1", "O2", "O3", "O1-bf16", "O2-bf16", "O3-bf16")
 _STRATEGY_PRESETS = ("O3-bf16-kahan", "O3-bf16-sr")
 _STATE_POLICIES = ("O3-bf16-kahan,state=bfloat16", "O3-bf16-sr,state=bfloat16")
+#: A low-bit state (:mod:`mixprec.numerics.lowbit`) under each kind of master strategy: none
+#: (float32 params), float32 masters with a dynamic loss scale, and both compensated ones.
+#: Blocks of 32 and no size floor, so the suite's small models have short last blocks.
+LOWBIT_POLICIES = (
+    "O0,state=int8(block=32,min_size=0)",
+    "O2,state=int4(block=32,min_size=0)",
+    "O3-bf16-kahan,state=fp8(block=32,min_size=0)",
+    "O3-bf16-sr,state=int8(block=32,min_size=0)",
+)
 _OP_POLICIES = (*_TRAINER_PRESETS, "O1+edits", "O1-bf16+edits", "O2+edits")
 #: The FP8 policy each recipe trains under, where the device lists the recipe.
 FP8_POLICIES: dict[str, str] = {
@@ -290,12 +300,44 @@ def refused_state_cases(backend: BackendUnderTest) -> list[Case]:
     ]
 
 
+def _lowbit_runs(backend: BackendUnderTest, name: str) -> bool:
+    """Whether the device runs the low-bit policy ``name`` and the adapter its strategy."""
+    strategy = policy(name).master_strategy
+    return backend.runs(name) and (strategy is None or strategy in backend.master_strategies)
+
+
+def _lowbit_format(name: str) -> str:
+    state = policy(name).state
+    assert state is not None
+    return state.partition("(")[0]
+
+
+def lowbit_state_cases(backend: BackendUnderTest) -> list[Case]:
+    """The :data:`LOWBIT_POLICIES` whose format the adapter lists in its optional
+    ``state_dtypes`` (and whose strategy and dtypes it runs)."""
+    return [
+        (name, (name,))
+        for name in LOWBIT_POLICIES
+        if _lowbit_runs(backend, name) and _lowbit_format(name) in backend.state_dtypes
+    ]
+
+
+def refused_lowbit_cases(backend: BackendUnderTest) -> list[Case]:
+    """The :data:`LOWBIT_POLICIES` the backend runs but whose format its adapter does not
+    list in ``state_dtypes``: the backend must refuse them."""
+    return [
+        (name, (name,))
+        for name in LOWBIT_POLICIES
+        if _lowbit_runs(backend, name) and _lowbit_format(name) not in backend.state_dtypes
+    ]
+
+
 def trainer_cases(backend: BackendUnderTest) -> list[Case]:
     """Every preset the backend trains: the classic ones, then the compensated ones (with
-    the optimizer's own state, then with bfloat16 state), then the FP8 ones
-    (:func:`mixprec.testing.fp8.fp8_trainer_cases`)."""
+    the optimizer's own state, then with bfloat16 state), then those with a low-bit state,
+    then the FP8 ones (:func:`mixprec.testing.fp8.fp8_trainer_cases`)."""
     classic = classic_trainer_cases(backend) + strategy_cases(backend) + state_cases(backend)
-    return classic + fp8_trainer_cases(backend)
+    return classic + lowbit_state_cases(backend) + fp8_trainer_cases(backend)
 
 
 def fp8_trainer_cases(backend: BackendUnderTest) -> list[Case]:

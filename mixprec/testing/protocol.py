@@ -107,7 +107,22 @@ class ConformanceAdapter(Protocol):
         under a strategy (the policy item ``state``); the suite then trains
         ``O3-bf16-kahan,state=bfloat16`` / ``O3-bf16-sr,state=bfloat16`` through every
         trainer test and checks that ``optimizer_state()`` stays on the bfloat16 grid and
-        still moves (default: none, and such a backend must refuse ``state``).
+        still moves (default: none, and such a backend must refuse ``state``). It may list
+        the low-bit formats too (``"int8"``, ``"int4"``, ``"fp8"``:
+        :mod:`mixprec.numerics.lowbit`): the suite then trains the policies of
+        :data:`mixprec.testing.cases.LOWBIT_POLICIES` in that format through every trainer
+        test (``optimizer_state()`` reports the state as kept between steps: codes and
+        absmax are fine) and needs ``lowbit_quantize``; a format it does not list must be
+        refused.
+
+    ``lowbit_quantize(state, signed, values) -> (codes, absmax, decoded)``
+        required when ``state_dtypes`` lists a low-bit format: encode ``values`` (a list of
+        float32 values, read as one flat tensor) as the backend keeps a state tensor under
+        ``state`` (``"int8"``, ``"int4(block=32)"``) with the signed map (first moment,
+        momentum) or the unsigned one (second moment), and return the codes as stored (one
+        byte per code, two per byte for 4 bits, as ints), each block's absmax and the
+        values decoded again (as floats). The suite compares all three with
+        :func:`mixprec.testing.lowbit.reference_lowbit` bit for bit.
 
     ``fp8_quantise(recipe, fmt, rows, scale) -> (values, scales)``
         required when the device lists FP8 recipes (``DeviceCapability.fp8_recipes``):

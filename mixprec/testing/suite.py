@@ -26,6 +26,7 @@ from mixprec.testing.cases import (
     no_cases,
     op_cases,
     policy,
+    refused_lowbit_cases,
     refused_state_cases,
     saved_dtype_cases,
     state_cases,
@@ -42,6 +43,12 @@ from mixprec.testing.fp8 import (
     fp8_operand_cases,
     fp8_refused_cases,
     reference_quantise,
+)
+from mixprec.testing.lowbit import (
+    LowBitQuantiser,
+    lowbit_codec_cases,
+    lowbit_data,
+    reference_lowbit,
 )
 from mixprec.testing.protocol import ConformanceTrainer
 
@@ -317,6 +324,33 @@ def test_unsupported_state_dtype_is_refused(backend: BackendUnderTest, policy_na
     ``state=bfloat16`` with a MixprecError instead of silently keeping float32 state."""
     with pytest.raises(MixprecError):
         _trainer(backend, policy_name)
+
+
+@cases(refused_lowbit_cases, ("policy_name",))
+def test_unsupported_lowbit_state_is_refused(backend: BackendUnderTest, policy_name: str) -> None:
+    """A backend whose ``state_dtypes`` does not list a low-bit format refuses a policy that
+    names it with a MixprecError instead of silently keeping float32 state."""
+    with pytest.raises(MixprecError):
+        _trainer(backend, policy_name)
+
+
+@cases(lowbit_codec_cases, ("state", "signed", "data"))
+def test_lowbit_codes_match_the_reference(
+    backend: BackendUnderTest, state: str, signed: bool, data: str
+) -> None:
+    """The backend's low-bit codec gives the codes (packed as it stores them), the block
+    absmax and the decoded values of :mod:`mixprec.numerics.lowbit`'s scheme bit for bit:
+    short last blocks, all-zero blocks, exact ties on the midpoints (the lower code),
+    subnormal and huge values."""
+    assert backend.adapter is not None
+    values = lowbit_data(data, state, signed)
+    want_codes, want_absmax, want_decoded = reference_lowbit(state, signed, values)
+    quantiser = cast("LowBitQuantiser", backend.adapter)
+    got_codes, got_absmax, got_decoded = quantiser.lowbit_quantize(state, signed, values)
+    codes = {"codes": [float(c) for c in want_codes]}
+    _assert_same(codes, {"codes": [float(c) for c in got_codes]}, f"{state} codes")
+    _assert_same({"absmax": want_absmax}, {"absmax": list(got_absmax)}, f"{state} absmax")
+    _assert_same({"decoded": want_decoded}, {"decoded": list(got_decoded)}, f"{state} values")
 
 
 @cases(trainer_cases, ("policy_name",))

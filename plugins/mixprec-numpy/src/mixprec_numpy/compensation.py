@@ -37,7 +37,8 @@ __all__ = ["Compensation", "kahan_split", "round_state", "round_stochastic_to_bf
 
 
 class _Updates(Protocol):
-    state: dict[str, Array]
+    @property
+    def state(self) -> dict[str, Array]: ...
 
     def update(self, params: list[Parameter]) -> None: ...
 
@@ -83,7 +84,9 @@ class Compensation:
     :param strategy: ``"kahan"`` or ``"stochastic"``.
     :param seed: seeds the stochastic rounding's random stream.
     :param state: the policy's ``state``: ``"bfloat16"`` keeps the optimizer's state of the
-        compensated parameters on the bfloat16 grid between steps.
+        compensated parameters on the bfloat16 grid between steps (a low-bit format is
+        :mod:`mixprec_numpy.lowbit`'s business: the optimizer passed to :meth:`update` is
+        then its :class:`~mixprec_numpy.lowbit.LowBitState`).
     """
 
     def __init__(
@@ -126,7 +129,7 @@ class Compensation:
                 p.data = round_stochastic_to_bfloat16(w.data, self.rng)
             else:
                 p.data, self.buffers[p.name] = kahan_split(w.data)
-        if self.state is not None:  # after the weights: the same stream, in parameter order
+        if self.state == "bfloat16":  # after the weights: the same stream, in parameter order
             round_state(optimizer.state, self.params, self.rng)
 
     def check_restore(self, param: Parameter, saved: Array, compensation: Array | None) -> None:

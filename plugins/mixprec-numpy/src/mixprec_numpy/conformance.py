@@ -11,11 +11,12 @@ import io
 import numpy as np
 
 from mixprec.errors import PolicyError
-from mixprec.kit import MX_BLOCK, Policy
+from mixprec.kit import LOWBIT_FORMATS, MX_BLOCK, Policy, parse_state_format
 from mixprec_numpy.casting import Tensor, cast
 from mixprec_numpy.devices import check_dtype, resolve_policy
 from mixprec_numpy.fp8 import quantise
 from mixprec_numpy.layers import MLP, Linear, ReLU, SoftmaxCrossEntropy, softmax
+from mixprec_numpy.lowbit import dequantize, quantize
 from mixprec_numpy.optimizer import SGD
 from mixprec_numpy.trainer import Trainer
 
@@ -29,7 +30,7 @@ class NumpyConformanceAdapter:
 
     name = "numpy"
     master_strategies = ("kahan", "stochastic")
-    state_dtypes = ("bfloat16",)
+    state_dtypes = ("bfloat16", *LOWBIT_FORMATS)
     device = "cpu"
 
     def supported_ops(self) -> tuple[str, ...]:
@@ -68,6 +69,17 @@ class NumpyConformanceAdapter:
             scales = scales[:, ::MX_BLOCK]
         return quantised.q.tolist(), np.ravel(scales).tolist()
 
+    def lowbit_quantize(
+        self, state: str, signed: bool, values: list[float]
+    ) -> tuple[list[int], list[float], list[float]]:
+        """``values`` encoded and decoded again by :mod:`mixprec_numpy.lowbit`."""
+        fmt = parse_state_format(state)
+        if fmt is None:
+            raise PolicyError(f"{state!r} is not a low-bit format; one of {LOWBIT_FORMATS}")
+        q = quantize(np.array(values, np.float32), fmt, signed)
+        decoded = dequantize(q, fmt, signed, len(values))
+        return q.codes.tolist(), q.absmax.tolist(), decoded.tolist()
+
 
 class NumpyConformanceTrainer:
     """Implements :class:`mixprec.testing.ConformanceTrainer`: a 6-8-3 MLP, momentum SGD."""
@@ -102,7 +114,11 @@ class NumpyConformanceTrainer:
         }
 
     def optimizer_state(self) -> dict[str, list[float]]:
-        return {name: v.ravel().tolist() for name, v in self.trainer.optimizer.state.items()}
+        state = {name: v.ravel().tolist() for name, v in self.trainer.optimizer.state.items()}
+        lowbit = self.trainer.lowbit  # under a low-bit state: the codes and absmax
+        if lowbit is not None:
+            state.update((n, v.astype(np.float32).tolist()) for n, v in lowbit.state_dict().items())
+        return state
 
     def loss_scale(self) -> float:
         return self.trainer.loss_scale

@@ -40,6 +40,11 @@ class SGD:
                 self.state[p.name] = step = np.array(step, np.float32)
             p.data = cast(float32(p.data) - np.float32(self.lr) * step, p.dtype)
 
+    def moments(self, name: str) -> dict[str, bool]:
+        """The keys of ``state`` that parameter ``name`` gets, each with whether its values
+        take both signs: what a low-bit ``state`` quantizes (:mod:`mixprec_numpy.lowbit`)."""
+        return {name: True} if self.momentum else {}
+
     def state_dict(self) -> dict[str, Array]:
         """The momentum buffers, copied."""
         return {name: v.copy() for name, v in self.state.items()}

@@ -8,7 +8,8 @@ waits for the step, so a clip or an edit in between is checked too), record
 which parameters overflowed (:func:`record_overflows`, only on a skipped step), let the
 scaler decide, step the masters or skip, copy the masters back into the model. Under a
 compensated strategy (``master=kahan|stochastic``) the step goes through
-:class:`~mixprec_numpy.compensation.Compensation` instead.
+:class:`~mixprec_numpy.compensation.Compensation` instead; under a low-bit ``state`` the
+optimizer's update goes through :class:`~mixprec_numpy.lowbit.LowBitState`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mixprec.kit import LossScaler, MasterWeights, OverflowRecord, StepTracker
 from mixprec_numpy.casting import cast, float32
 from mixprec_numpy.compensation import Compensation
 from mixprec_numpy.layers import MLP, Parameter
+from mixprec_numpy.lowbit import LowBitState
 from mixprec_numpy.optimizer import SGD
 
 __all__ = ["KEPT_OVERFLOWS", "Stepping", "record_overflows"]
@@ -44,6 +46,8 @@ class Stepping:
     _unchecked: bool
     compensation: Compensation | None
     """The compensated strategy's state under ``master=kahan|stochastic``, else None."""
+    lowbit: LowBitState | None
+    """The optimizer's moments as codes under ``state=int8|int4|fp8``, else None."""
 
     def backward(self) -> None:
         """Backpropagate ``loss * loss_scale`` from the model's last :meth:`MLP.loss`."""
@@ -101,10 +105,12 @@ class Stepping:
         skipped = self.scaler.update(self._found_inf, overflowing)
         if fp8 is not None:  # the step's amaxes enter the delayed history, unless skipped
             fp8.settle(skipped)
+        # under a low-bit state the moments are decoded around the optimizer's own update
+        updater = self.optimizer if self.lowbit is None else self.lowbit
         if not skipped and self.compensation is not None:
-            self.compensation.update(self.optimizer, self.masters.masters())
+            self.compensation.update(updater, self.masters.masters())
         elif not skipped:
-            self.optimizer.update(self.masters.masters())
+            updater.update(self.masters.masters())
             for param, master in self.masters.copied_pairs():
                 param.data = cast(master.data, param.dtype)
         for param, master in self.masters.pairs:

@@ -37,12 +37,14 @@ from mixprec.kit import (
     check_scaler_without_masters,
     check_seed,
     is_low_precision,
+    parse_state_format,
 )
 from mixprec_numpy.casting import Array, cast, float32
 from mixprec_numpy.compensation import Compensation
 from mixprec_numpy.devices import resolve_policy
 from mixprec_numpy.fp8 import runtime_for
 from mixprec_numpy.layers import MLP, Parameter
+from mixprec_numpy.lowbit import LowBitState, Quantized
 from mixprec_numpy.optimizer import SGD
 from mixprec_numpy.stepping import KEPT_OVERFLOWS, Stepping
 
@@ -96,6 +98,10 @@ class Trainer(Stepping, ScalerCounters):
             if strategy is None
             else Compensation(params, strategy, seed, state=self.policy.state)
         )
+        lowbit = parse_state_format(self.policy.state) if self.policy.state else None
+        self.lowbit = (
+            None if lowbit is None else LowBitState(lowbit, optimizer, self.masters.masters())
+        )
         model.policy = self.policy
         model.fp8 = runtime_for(self.policy.fp8)
         self.scaler = LossScaler(self.policy.loss_scale, guard=step_guard)
@@ -131,6 +137,8 @@ class Trainer(Stepping, ScalerCounters):
         if self.compensation is not None:
             buffers, meta["rng"] = self.compensation.state_dict()
             state.update((f"compensation/{n}", c) for n, c in buffers.items())
+        if self.lowbit is not None:
+            state.update((f"lowbit/{n}", v) for n, v in self.lowbit.state_dict().items())
         _savez(file, {"meta": np.array(json.dumps(meta)), **self._weights(), **state})
 
     def load(self, file: str | os.PathLike[str] | IO[bytes]) -> None:
@@ -161,6 +169,12 @@ class Trainer(Stepping, ScalerCounters):
         prefix = "optimizer/"
         optimizer_state = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
         self.optimizer.check_state_dict(optimizer_state)
+        codes: dict[str, Quantized] = {}
+        if self.lowbit is not None:
+            saved_codes = {
+                k[len("lowbit/") :]: v for k, v in arrays.items() if k.startswith("lowbit/")
+            }
+            codes = self.lowbit.check_state_dict(saved_codes, optimizer_state)
         # a probe scaler takes the state first, so a malformed one raises before any change
         probe = LossScaler(self.scaler.state.fresh())
         probe.load_state_dict(meta.get("scaler"))  # type: ignore[arg-type]
@@ -175,6 +189,8 @@ class Trainer(Stepping, ScalerCounters):
             if master is not param:
                 param.data = cast(value, param.dtype)
         self.optimizer.load_state_dict(optimizer_state)
+        if self.lowbit is not None:
+            self.lowbit.load(codes)
         if self.compensation is not None:
             self.compensation.load_rng_state(meta["rng"])
         self.scaler.load_state_dict(meta["scaler"])
