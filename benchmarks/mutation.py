@@ -11,7 +11,9 @@ Example (everything after ``--`` goes to pytest)::
     python -m benchmarks.mutation mixprec/numerics/loss_scale.py --jobs 2 -- \\
         tests/core/test_loss_scale.py tests/core/test_scaler.py -m "not torch"
 
-How it runs: the ``mixprec`` package is copied into a temporary folder (one copy per job);
+How it runs: the module's package (``mixprec``, or a backend or plugin: ``mixprec_torch``
+from ``backends/torch``, ``mixprec_mxnet``, ``mixprec_numpy``, ``mixprec_jax``, the last
+run with the JAX venv's Python) is copied into a temporary folder (one copy per job);
 for each mutant the copy's module is overwritten and a forked child (this process imported
 pytest, never mixprec) puts the copy first on ``sys.path`` and runs pytest on the given
 tests (``-x``: the first failure kills the mutant), with bytecode caching off so a rewritten
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import importlib
 import json
 import os
 import shutil
@@ -42,6 +45,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Where each package's source lives in the clone, and the name it is imported by.
+PACKAGES: dict[Path, str] = {
+    ROOT / "mixprec": "mixprec",
+    ROOT / "backends" / "torch": "mixprec_torch",
+    ROOT / "backends" / "mxnet": "mixprec_mxnet",
+    ROOT / "plugins" / "mixprec-numpy" / "src" / "mixprec_numpy": "mixprec_numpy",
+    ROOT / "plugins" / "mixprec-jax" / "src" / "mixprec_jax": "mixprec_jax",
+}
+
+
+def package_of(module: Path) -> tuple[Path, str]:
+    """The source folder of the package ``module`` belongs to, and its import name."""
+    path = module.resolve()
+    for folder, name in PACKAGES.items():
+        if path.is_relative_to(folder):
+            return folder, name
+    raise SystemExit(f"{module} is in none of mixprec's packages: {', '.join(PACKAGES.values())}")
+
 
 _SWAP_BINOP: dict[type[ast.operator], type[ast.operator]] = {
     ast.Add: ast.Sub,
@@ -205,6 +226,20 @@ def mutants(source: str) -> list[Mutant]:
     return [Mutant(i, line, what) for i, (_, line, what) in enumerate(sites)]
 
 
+def function_lines(source: str, names: list[str]) -> set[int]:
+    """The lines of the functions (or methods) named ``names`` in ``source``."""
+    lines: set[int] = set()
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in names:
+            found.add(node.name)
+            lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    missing = sorted(set(names) - found)
+    if missing:
+        raise SystemExit(f"no function named {', '.join(missing)} in the module")
+    return lines
+
+
 def mutated_source(source: str, index: int) -> str:
     """``source`` with mutant ``index`` applied."""
     tree = ast.parse(source)
@@ -257,18 +292,28 @@ def _wait(pid: int, deadline: float) -> str:
         time.sleep(0.05)
 
 
-def run(module: Path, tests: list[str], jobs: int, only: list[int] | None) -> list[Mutant]:
-    """Run every mutant of ``module`` (a file of the mixprec package) against ``tests``."""
+def run(
+    module: Path,
+    tests: list[str],
+    jobs: int,
+    only: list[int] | None,
+    functions: list[str] | None = None,
+) -> list[Mutant]:
+    """Run every mutant of ``module`` (a file of one of :data:`PACKAGES`) against ``tests``."""
     source = module.read_text(encoding="utf-8")
     todo = mutants(source)
     if only is not None:
         todo = [m for m in todo if m.index in only]
-    relative = module.resolve().relative_to(ROOT / "mixprec")
+    if functions:
+        inside = function_lines(source, functions)
+        todo = [m for m in todo if m.line in inside]
+    folder, name = package_of(module)
+    relative = module.resolve().relative_to(folder)
     work = Path(tempfile.mkdtemp(prefix="mixprec-mutants-"))
     free = []
     for slot in range(jobs):
-        package = work / str(slot) / "mixprec"
-        shutil.copytree(ROOT / "mixprec", package, ignore=shutil.ignore_patterns("__pycache__"))
+        package = work / str(slot) / name
+        shutil.copytree(folder, package, ignore=shutil.ignore_patterns("__pycache__"))
         free.append(package)
     sys.dont_write_bytecode = True  # a rewritten file must never be read from a stale .pyc
     try:
@@ -322,19 +367,39 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("module", type=Path, help="a module of the mixprec package")
+    parser.add_argument("module", type=Path, help="a module of mixprec, a backend or a plugin")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
     parser.add_argument("--only", type=int, nargs="*", help="run only these mutant indices")
+    parser.add_argument(
+        "--function",
+        action="append",
+        dest="functions",
+        help="mutate only inside this function or method (repeatable)",
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        help="import this third-party module once before forking (e.g. torch), so each "
+        "mutant's run does not pay for it",
+    )
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     parser.add_argument("--json", type=Path, help="write every mutant's result here")
     args = parser.parse_args(ours)
     if args.list:
-        for m in mutants(args.module.read_text(encoding="utf-8")):
-            print(f"{m.index:4}  line {m.line:4}  {m.what}")
+        source = args.module.read_text(encoding="utf-8")
+        inside = function_lines(source, args.functions) if args.functions else None
+        for m in mutants(source):
+            if inside is None or m.line in inside:
+                print(f"{m.index:4}  line {m.line:4}  {m.what}")
         return 0
     if not tests:
         parser.error("give the tests to run after --")
-    results = run(args.module, tests, args.jobs, args.only)
+    for name in args.preload:
+        if name.split(".")[0].startswith("mixprec"):
+            parser.error("--preload takes third-party modules: mixprec must come from the copy")
+        importlib.import_module(name)
+    results = run(args.module, tests, args.jobs, args.only, args.functions)
     killed = sum(m.status in ("killed", "timeout") for m in results)
     print(f"\n{args.module}: {killed}/{len(results)} mutants killed")
     for m in results:
