@@ -18,12 +18,14 @@ from typing import Any
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from mixprec.errors import MixprecError
-from mixprec.kit import FLOAT32, Policy, canonical_dtype
+from mixprec.errors import MixprecError, PolicyError
+from mixprec.kit import FLOAT32, LOWBIT_FORMATS, Policy, canonical_dtype, parse_state_format
 
 from .devices import check_policy_dtypes
 from .dtypes import cast, dtype_name
 from .gluon_private import cached_graph, params_with_prefix
+from .lowbit.codec import dequantize, quantize
+from .lowbit.state import LowBitArray
 from .o1.graph import install_graph_pass, node_dtypes
 from .ops import FAMILY_OPS, island_families, supported_families, unsupported_natives
 from .trainer import Trainer
@@ -113,6 +115,8 @@ class MXNetAdapter:
     name = "mxnet"
     device = "cpu"
     master_strategies = ("kahan", "stochastic")
+    #: the low-bit formats only: the Trainer refuses ``state="bfloat16"``
+    state_dtypes = LOWBIT_FORMATS
 
     def supported_ops(self) -> Collection[str]:
         """Families with a test case whose native ops run every rule in bfloat16 on CPU."""
@@ -128,6 +132,17 @@ class MXNetAdapter:
         if op not in OP_CASES:
             raise MixprecError(f"the mxnet adapter has no case for op {op!r}")
         return run_op(policy, op, input_dtype, self.device)
+
+    def lowbit_quantize(
+        self, state: str, signed: bool, values: list[float]
+    ) -> tuple[list[int], list[float], list[float]]:
+        """``values`` encoded and decoded by the low-bit state's codec (:mod:`.lowbit.codec`)."""
+        fmt = parse_state_format(state)
+        if fmt is None:
+            raise PolicyError(f"{state!r} is not a low-bit format; one of {LOWBIT_FORMATS}")
+        codes, absmax = quantize(values, fmt, signed)
+        decoded = dequantize(codes, absmax, fmt, signed, len(values))
+        return codes.tolist(), absmax.tolist(), decoded.tolist()
 
     def make_trainer(self, policy: Policy, seed: int = 0) -> MXNetConformanceTrainer:
         """A two-layer net under :class:`~mixprec_mxnet.Trainer` with momentum SGD."""
@@ -182,7 +197,8 @@ class MXNetConformanceTrainer:
         return {k: _values(master_for(p).data()) for k, p in self._named().items()}
 
     def optimizer_state(self) -> dict[str, list[float]]:
-        """Momentum buffers, by parameter name."""
+        """Momentum buffers, by parameter name; under a low-bit ``state`` as kept between
+        steps: the codes and the block absmax."""
         states = self.trainer._updaters[0].states
         out = {}
         for key, param in self._named().items():
@@ -235,6 +251,8 @@ def _values(array: nd.NDArray) -> list[float]:
 def _arrays(state: Any) -> list[nd.NDArray]:
     if isinstance(state, nd.NDArray):
         return [state]
+    if isinstance(state, LowBitArray):  # codes as floats: exact (uint8)
+        return [state.codes.astype("float32"), state.absmax]
     if isinstance(state, (list, tuple)):
         return [a for s in state for a in _arrays(s)]
     return []

@@ -42,6 +42,7 @@ from mixprec.kit import (
     check_adam_eps,
     check_seed,
     is_low_precision,
+    parse_state_format,
 )
 
 from .blocks import walk
@@ -54,10 +55,11 @@ from .gluon_private import (
     is_deferred,
     restore_deferred_state,
 )
+from .lowbit.state import LowBitState, layout_of
 from .step import checkpoint, optimizers, protocol, states  # noqa: F401 - optimizers registers "adamw"
 from .step.accumulation import check_grad_req, install_zero_grad
 from .step.running_stats import RunningStats
-from .step.trainer_state import TrainerState
+from .step.trainer_state import TrainerState, param_names
 from .wrapping.casting import convert_net, param_dtypes, param_dtypes_by_name
 from .wrapping.checks import (
     check_dense,
@@ -96,7 +98,10 @@ class Trainer(ScalerCounters, gluon.Trainer):
     :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``);
         its random stream is saved by ``save_states``, so a resumed run draws the same numbers.
         A policy with ``state="bfloat16"`` is refused (``WrapError``): MXNet has no bfloat16
-        optimizer kernels, so the optimizer state stays float32.
+        optimizer kernels, so the optimizer state stays float32. A low-bit ``state``
+        (``"O2-bf16,state=int8"``; ``int4``, ``fp8``) keeps the momentum or Adam's moments
+        quantized between steps (``sgd``, ``nag``, ``adam``, ``adamw``, ``lamb``; any other
+        optimizer is refused with ``WrapError``), decoded into float32 for each update.
     :param overrides: policy role overrides, e.g. ``loss_scale="dynamic"``.
 
     Example::
@@ -188,6 +193,10 @@ class Trainer(ScalerCounters, gluon.Trainer):
         super().__init__(params, optimizer, optimizer_params, kvstore, compression_params, False)
         st.params = self._params  # gluon.Trainer's list, in its index order
         self._mixprec = st
+        lowbit = parse_state_format(policy.state) if policy.state is not None else None
+        if lowbit is not None:  # the optimizer is made: refuse one whose state is unknown
+            layout = layout_of(self._optimizer, lowbit)
+            st.lowbit = LowBitState(lowbit, layout, param_names(st))
         if tree is not None:
             st.plan = param_dtypes(tree, values, policy, device)
         else:

@@ -18,7 +18,9 @@ not). The iteration:
    (:func:`write_model`), or a skip that leaves weights and optimizer state untouched.
    Under ``master=kahan|stochastic`` the update runs on float32 working values that
    :mod:`~..compensated.compensation` fills before it and rounds back into the bfloat16
-   weights after it.
+   weights after it. Under a low-bit ``state`` (``int8``, ``int4``, ``fp8``) the optimizer's
+   state is decoded into float32 before each context's update and encoded after the model is
+   written (:mod:`~..lowbit.state`).
 
 Cost per step beyond ``gluon.Trainer``'s update, for O2 with float32 masters, per context:
 one ``amp_multicast`` for all gradients (model -> master), ``multi_sum_sq`` + ``sum`` +
@@ -270,16 +272,28 @@ def _update(st: TrainerState, trainer: gluon.Trainer, ignore_stale_grad: bool) -
                 consume_fresh_grad(data)
                 if weight is not data:
                     copies.append((weight, data))
-    compensation = st.compensation
+    compensation, lowbit = st.compensation, st.lowbit
     if compensation is not None:  # master=kahan|stochastic: float32 working values
         compensation.fill()  # w + c (kahan) or w
+    if lowbit is not None:
+        lowbit.begin()
     for updater, upd in zip(trainer._updaters, updates, strict=True):
         if upd:
             indices, grads, weights = zip(*upd, strict=True)
+            if lowbit is not None:  # state=int8|int4|fp8: the codes decoded into float32
+                lowbit.widen(updater, indices, weights)
             multi_tensor.update(updater, indices, grads, weights)  # or updater(...)
     if compensation is not None:  # round back into bfloat16, the residual or noise kept
         copies = compensation.store(copies)
-    if multi_tensor.enabled():  # write_model for each pair (none the strategy keeps), batched
+    _write_models(st, copies)
+    if lowbit is not None:  # encoded again, after the model is written: a refused
+        lowbit.narrow()  # moment (PolicyError) leaves the masters and the model in step
+
+
+def _write_models(st: TrainerState, copies: Sequence[tuple[nd.NDArray, nd.NDArray]]) -> None:
+    """:func:`write_model` for each (master, model data) pair: batched on the multi-tensor
+    path (the pairs a strategy keeps were taken out by its ``store``)."""
+    if multi_tensor.enabled():
         _cast_all(copies)
         if st.transient:
             _cast_all([(data, weight) for weight, data in copies])

@@ -7,7 +7,12 @@ optimizer's class name and its plain settings (numbers, strings, the per-paramet
 counts, the learning-rate schedule's counters) and, under ``master=kahan|stochastic``, the
 strategy and its random stream. The optimizer's per-parameter states (arrays, or tuples of
 them) are entries ``optimizer/<index>/<position>``; the kahan compensation is
-``compensation/<name>``.
+``compensation/<name>``. Under a low-bit ``state`` (``int8``, ``int4``, ``fp8``) a quantized
+state array is kept as it is between steps: its description names the format and block size
+(``"int8/256"``), the map (signed or not) and the shape, and its codes and block absmax are
+the entries ``optimizer/<index>/<position>/codes`` and ``.../absmax``
+(:mod:`~..lowbit.state`). Such a file is refused as damaged by a mixprec without low-bit
+states, which could not train on it.
 
 The file ends with a checksum line, ``\\nmixprec-sha256:<64 hex digits>\\n``: the SHA-256 of
 every byte before it (the NDArray file, header and arrays). MXNet's loader ignores bytes after
@@ -50,6 +55,7 @@ from mxnet import nd
 from mixprec.errors import CheckpointError
 
 from ..gluon_private import update_counts
+from ..lowbit.state import LowBitArray
 
 __all__ = [
     "FORMAT",
@@ -98,6 +104,18 @@ def encode_state(value: Any, key: str, arrays: dict[str, nd.NDArray]) -> Any:
     if isinstance(value, nd.NDArray):
         arrays[key] = value.copyto(mx.cpu())
         return {"array": key}
+    if isinstance(value, LowBitArray):  # state=int8|int4|fp8: the codes, as kept
+        arrays[f"{key}/codes"] = value.codes.copyto(mx.cpu())
+        arrays[f"{key}/absmax"] = value.absmax.copyto(mx.cpu())
+        return {
+            "lowbit": {
+                "format": value.tag,
+                "signed": value.signed,
+                "shape": list(value.shape),
+                "codes": f"{key}/codes",
+                "absmax": f"{key}/absmax",
+            }
+        }
     if isinstance(value, (tuple, list)):
         kind = "tuple" if isinstance(value, tuple) else "list"
         return {kind: [encode_state(v, f"{key}/{i}", arrays) for i, v in enumerate(value)]}
@@ -260,10 +278,36 @@ def decode_state(spec: Any, arrays: Mapping[str, nd.NDArray], filename: str, dep
         ((kind, value),) = spec.items()
         if kind == "array" and isinstance(value, str) and value in arrays:
             return arrays[value]
+        if kind == "lowbit":
+            return _lowbit(value, arrays, filename)
         if kind in ("tuple", "list") and isinstance(value, list):
             items = [decode_state(v, arrays, filename, depth + 1) for v in value]
             return tuple(items) if kind == "tuple" else items
     raise _damaged(filename, f"optimizer state {str(spec)[:60]}")
+
+
+_LOWBIT_KEYS = {"format", "signed", "shape", "codes", "absmax"}
+
+
+def _lowbit(spec: Any, arrays: Mapping[str, nd.NDArray], filename: str) -> LowBitArray:
+    """A quantized state array from its description; whether it fits its parameter and the
+    Trainer's format is :func:`~..lowbit.state.check_saved`'s business."""
+    fits = isinstance(spec, dict) and set(spec) == _LOWBIT_KEYS
+    if fits:
+        shape = spec["shape"]
+        fits = (
+            isinstance(spec["format"], str)
+            and isinstance(spec["signed"], bool)
+            and isinstance(shape, list)
+            and len(shape) <= _MAX_DEPTH
+            and all(type(n) is int and n >= 0 for n in shape)
+            and all(isinstance(spec[k], str) and spec[k] in arrays for k in ("codes", "absmax"))
+        )
+    if not fits:
+        raise _damaged(filename, f"quantized optimizer state {str(spec)[:60]}")
+    return LowBitArray(
+        arrays[spec["codes"]], arrays[spec["absmax"]], spec["shape"], spec["signed"], spec["format"]
+    )
 
 
 # ---------------------------------------------------------------------- legacy pickles

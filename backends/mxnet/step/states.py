@@ -8,6 +8,13 @@ refused with :class:`~mixprec.errors.CheckpointError` leaves the loss scale, the
 the weights as they were. The optimizer that trains on is the Trainer's own: it takes the
 saved update counts, learning rate and schedule counters (what a bit-exact resume needs).
 
+Under a low-bit ``state`` (``int8``, ``int4``, ``fp8``) the file holds the codes as they are
+kept between steps, and resumes bit for bit. The policy must match but for its ``state``
+item: codes written under another format or block size are refused (before anything
+changes); a float32 state (saved without a low-bit ``state``, or by ``gluon.Trainer``) is
+encoded on load, lossy as a step is; codes of parameters this Trainer keeps in float32 (no
+low-bit ``state``, or ``min_size``/``keep`` changed) are decoded: the way back to float32.
+
 Optimizer state is matched to parameters by their structural names (``"0.weight"``), so a
 net whose Gluon names (``dense3_weight``) differ from the saved one's resumes all the same.
 A plain ``gluon.Trainer`` states file loads too (the loss scale then starts afresh, with a
@@ -17,6 +24,7 @@ warning).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import stat
 import warnings
@@ -31,6 +39,7 @@ from mixprec.errors import CheckpointError, MixprecError, MixprecWarning
 from mixprec.kit import LossScaler, Policy, atomic_path
 
 from ..gluon_private import set_update_counts
+from ..lowbit.state import LowBitArray, check_saved, decoded
 from .checkpoint import save_arrays
 from .state_files import SavedStates, optimizer_record, read_states, seal, states_arrays
 from .trainer_state import TrainerState, names_by_id, param_names, trainer_state
@@ -93,6 +102,7 @@ def load_states(trainer: gluon.Trainer, filename: str) -> None:
         if isinstance(comp_state, Mapping):
             comp_state = dict(comp_state, compensation=saved.compensation)
         compensation.check_state_dict(comp_state, filename, names)
+    per_param = _adopted(st, per_param)  # encoded or decoded as this policy keeps them
     # checked: from here on nothing raises on the file's account
     if saved.kind == "gluon":
         warnings.warn(
@@ -151,7 +161,7 @@ def _check_policy_and_scaler(
         policy = Policy.from_dict(saved.meta["policy"])
     except (MixprecError, TypeError, ValueError, AttributeError, KeyError) as err:
         raise CheckpointError(f"{filename!r} holds a malformed policy: {err}") from err
-    if policy != st.policy:
+    if _without_state(policy) != _without_state(st.policy):
         raise CheckpointError(
             f"{filename!r} was saved under policy {policy} but this Trainer runs "
             f"{st.policy}; build the Trainer with policy={str(policy)!r} to resume"
@@ -163,6 +173,13 @@ def _check_policy_and_scaler(
     except (MixprecError, TypeError, ValueError, KeyError, OverflowError) as err:
         raise CheckpointError(f"{filename!r} holds a malformed loss-scaler state: {err}") from err
     return state  # type: ignore[no-any-return]
+
+
+def _without_state(policy: Policy) -> Policy:
+    """``policy`` but for its ``state`` item: a file saved with float32 state loads under a
+    low-bit format and the other way round (the states are converted on load, and codes of
+    another format are refused array by array, :func:`_check_per_param`)."""
+    return dataclasses.replace(policy, state=None)
 
 
 def _renumbered(st: TrainerState, saved: SavedStates) -> tuple[dict[Any, Any], dict[Any, Any]]:
@@ -199,6 +216,16 @@ def _arrays(state: Any) -> list[Any]:
     return [] if state is None else [state]
 
 
+def _adopted(st: TrainerState, per_param: Mapping[int, Any]) -> dict[int, Any]:
+    """The checked per-parameter states as this Trainer keeps them: under a low-bit
+    ``state``, float32 moments of the parameters it quantizes encoded and codes of the
+    others decoded; without one, every code decoded (the way back to float32 state)."""
+    lowbit = st.lowbit
+    if lowbit is None:
+        return {i: decoded(state) for i, state in per_param.items()}
+    return {i: lowbit.adopt(i, state, st.params[i].shape) for i, state in per_param.items()}
+
+
 def _check_per_param(st: TrainerState, per_param: Mapping[Any, Any], filename: str) -> None:
     """Refuse optimizer state the updater would choke on: unknown indices, wrong shapes."""
     count = len(st.params)
@@ -218,6 +245,12 @@ def _check_per_param(st: TrainerState, per_param: Mapping[Any, Any], filename: s
         # masters exist: deferred shapes)
         expected = np.dtype(masters.master_for(param).dtype) if masters is not None else None
         for position, array in enumerate(_arrays(state)):
+            if isinstance(array, LowBitArray):  # state=int8|int4|fp8: the codes as saved
+                layout = st.lowbit.layout if st.lowbit is not None else ()
+                signed = layout[position] if position < len(layout) else None
+                where = f"the optimizer state of parameter {name!r} (state {position})"
+                check_saved(array, param.shape, signed, st.lowbit, filename, where)
+                continue
             if not isinstance(array, nd.NDArray) or tuple(array.shape) != tuple(param.shape):
                 shape = getattr(array, "shape", type(array).__name__)
                 raise CheckpointError(

@@ -3,12 +3,12 @@
 :class:`TrainerState` is mixprec's part of one :class:`~mixprec_mxnet.trainer.Trainer`
 (``trainer._mixprec``): the resolved policy, the loss scaler, the step tracker, the float32
 masters, the ``grad_req='add'`` sums, BatchNorm's statistics, the compensated strategy, the
-overflow records, and what the construction's walk of the net found. The work on it is the
-step's (:mod:`.protocol`), the masters' set-up (:mod:`~..wrapping.masters`) and the
-Trainer's own; the checkpoints (:mod:`.checkpoint`, :mod:`.states`) and export
-(:mod:`~..wrapping.export`) read it, so none of them imports the Trainer, which imports them.
-``gluon.Trainer``'s own state (the optimizer, its updaters, the kvstore) stays on the Trainer,
-which the step is handed beside this.
+low-bit optimizer state, the overflow records, and what the construction's walk of the net
+found. The work on it is the step's (:mod:`.protocol`), the masters' set-up
+(:mod:`~..wrapping.masters`) and the Trainer's own; the checkpoints (:mod:`.checkpoint`,
+:mod:`.states`) and export (:mod:`~..wrapping.export`) read it, so none of them imports the
+Trainer, which imports them. ``gluon.Trainer``'s own state (the optimizer, its updaters, the
+kvstore) stays on the Trainer, which the step is handed beside this.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..blocks import BlockTree
 from ..compensated.compensation import Compensation
 from ..dtypes import cast
 from ..gluon_private import params_with_prefix
+from ..lowbit.state import LowBitState
 from .accumulation import Accumulation
 from .running_stats import RunningStats
 
@@ -78,6 +79,9 @@ class TrainerState:
     the policy: O3, or a compensated strategy), reset to the rounded weights after a step."""
     compensation: Compensation | None = None
     """Under ``master=kahan|stochastic``: the strategy's buffers and its step passes."""
+    lowbit: LowBitState | None = None
+    """Under a low-bit ``state`` (``int8``, ``int4``, ``fp8``): the optimizer state's codes
+    decoded around each update, and the checks and conversions of a load."""
     buffers: dict[int, list[nd.NDArray]] = dataclasses.field(default_factory=dict)
     """Per parameter id: the gradient buffers in the reduce dtype, where neither the model's
     nor the master's gradients have it."""

@@ -11,7 +11,7 @@ from typing import Any
 from mxnet import gluon
 
 from mixprec.errors import MixprecWarning, WrapError
-from mixprec.kit import BFLOAT16, Policy, is_low_precision
+from mixprec.kit import BFLOAT16, Policy, is_low_precision, parse_state_format
 
 from ..blocks import BlockTree
 from ..dtypes import dtype_name
@@ -56,14 +56,17 @@ def shape_refusal(net: gluon.Block | None, args: Sequence[Any], err: Exception) 
 
 def check_state(policy: Policy) -> None:
     """Refuse ``state=bfloat16``: MXNet has no bfloat16 optimizer kernels and the Trainer
-    keeps float32 working copies between steps anyway, so it would save nothing here."""
-    if policy.state is not None:
+    keeps float32 working copies between steps anyway, so it would save nothing here. A
+    low-bit ``state`` (``int8``, ``int4``, ``fp8``) is kept as codes between steps
+    (:mod:`~mixprec_mxnet.lowbit`)."""
+    if policy.state is not None and parse_state_format(policy.state) is None:
         raise WrapError(
             f"policy {policy.label} keeps the optimizer state in {policy.state} between steps "
             "(state=bfloat16), which the Gluon Trainer does not support: MXNet's optimizers "
             "have no bfloat16 kernels and keep their state beside the float32 working "
             f"copies the Trainer holds between steps. Drop the item (policy="
-            f"'{_without_state(policy)!s}') or use the torch backend for bfloat16 state"
+            f"'{_without_state(policy)!s}'), keep the state in 8 or 4 bits instead "
+            "(state=int8, int4 or fp8), or use the torch backend for bfloat16 state"
         )
 
 
