@@ -7,6 +7,10 @@ touched. A candidate whose Trainer or step raises (bfloat16 on a CPU without one
 kernels, float16 on a CPU) is reported as ``failed: <reason>``. The run itself is
 :func:`mixprec.advisor.run_advice`.
 
+Each run's optimizer state between steps is the Gluon updater's (``updater.states``, the
+first context's: every context keeps its own copy), counted by :func:`updater_state_bytes`.
+A low-bit state (``state=int8``) the Trainer refuses is not offered (a note says why).
+
 Block sensitivity runs the copies imperatively (not hybridized) so that forward hooks see
 every child; the gradient error is that of each block's own parameters (MXNet gives no
 gradient of an intermediate output), zero for blocks without parameters.
@@ -40,13 +44,41 @@ from .diagnostics import underflow_fraction
 from .dtypes import cast
 from .trainer import Trainer
 
-__all__ = ["advise"]
+__all__ = ["advise", "updater_state_bytes"]
 
 LossFn = Callable[[Any, Any], Any]
 
 
 def _scalar(loss: Any) -> float:
     return float(cast(loss, FLOAT32).mean().asscalar())  # asscalar waits for the device
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the arrays in one updater state (an array, or tuples, lists and dicts of
+    them, as MXNet's optimizers make them; a low-bit state's array says its own ``nbytes``:
+    codes and absmax)."""
+    if isinstance(value, mx.nd.NDArray):
+        return int(value.size) * np.dtype(value.dtype).itemsize if value.ndim else 0
+    held = getattr(value, "nbytes", None)
+    if isinstance(held, int):
+        return held
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+def updater_state_bytes(trainer: gluon.Trainer) -> tuple[int, int] | None:
+    """``(bytes, parameters)``: the bytes of the optimizer state the trainer's first updater
+    keeps between steps, and the elements of the parameters it trains (``grad_req`` not
+    ``"null"``); None before the first step made the updater."""
+    updaters = getattr(trainer, "_updaters", None)
+    if not updaters:
+        return None
+    total = sum(_nbytes(state) for state in updaters[0].states.values())
+    params = sum(int(np.prod(p.shape)) for p in trainer._params if p.grad_req != "null")
+    return total, params
 
 
 class _Trainee:
@@ -78,6 +110,9 @@ class _Trainee:
 
     def peak_memory(self) -> int | None:
         return None
+
+    def state_bytes(self) -> tuple[int, int] | None:
+        return updater_state_bytes(self.trainer)
 
 
 def _blocks(net: gluon.Block, path: str = "") -> Iterator[tuple[str, gluon.Block]]:
@@ -225,6 +260,7 @@ def advise(
     seed: int = 0,
     progress: bool | None = None,
     objective: str = "speed",
+    states: str | Sequence[str] | None = ("int8",),  # mixprec.advisor.run.DEFAULT_STATES
 ) -> AdviceReport:
     """Train short copies of ``net`` under each candidate policy and advise which to use.
 
@@ -238,7 +274,9 @@ def advise(
         preset the net's context computes in. One that raises is reported as failed.
     :param seed: seeds MXNet's random generator before each copy.
 
-    The other parameters (``objective`` among them) are those of ``mixprec.torch.advise``.
+    The other parameters (``objective`` and ``states`` among them) are those of
+    ``mixprec.torch.advise``. A low-bit state the Trainer refuses is not offered: the
+    report's notes say so.
 
     Example::
 
@@ -280,4 +318,5 @@ def advise(
         max_skip_fraction=max_skip_fraction,
         progress=progress,
         objective=objective,
+        states=states,
     )

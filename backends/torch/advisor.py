@@ -4,7 +4,8 @@ to keep in float32.
 Everything runs on ``copy.deepcopy`` copies of the model with optimizers built by the
 user's factory, inside ``torch.random.fork_rng``: the user's model, optimizer and random
 state are never touched. The run itself (candidates, rules, the advice) is
-:func:`mixprec.advisor.run_advice`; this module supplies the copies and the measurements.
+:func:`mixprec.advisor.run_advice`; this module supplies the copies and the measurements,
+among them each copy's optimizer state between steps (:func:`optimizer_state_bytes`).
 """
 
 from __future__ import annotations
@@ -36,10 +37,29 @@ from .step.diagnostics import underflow_fraction
 from .step.loop import scale_loss, state
 from .wrapping.wrap import wrap
 
-__all__ = ["advise"]
+__all__ = ["advise", "optimizer_state_bytes"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """``(bytes, parameters)``: the bytes of every tensor ``optimizer.state`` keeps for its
+    parameters (the moments, a low-bit state's codes and absmax), its scalar counters
+    (Adam's ``step``) left out, and the elements of the parameters it updates (the float32
+    masters under ``O2``). Weights and masters are not state; read between two steps."""
+    total = params = 0
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            params += param.numel()
+            for value in (optimizer.state.get(param) or {}).values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+    return total, params
 
 
 def _sync(device: torch.device) -> None:
@@ -76,6 +96,9 @@ class _Trainee:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return None
+
+    def state_bytes(self) -> tuple[int, int]:
+        return optimizer_state_bytes(self.optimizer)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -229,6 +252,7 @@ def advise(
     seed: int = 0,
     progress: bool | None = None,
     objective: str = "speed",
+    states: str | Sequence[str] | None = ("int8",),  # mixprec.advisor.run.DEFAULT_STATES
 ) -> AdviceReport:
     """Train short copies of ``model`` under each candidate policy and advise which to use.
 
@@ -251,6 +275,12 @@ def advise(
         fastest policy on this machine, float32 included; ``"memory"`` the smallest peak
         memory; ``"numerics"`` the low-precision policy closest to float32's loss. Ties within
         10% go to the run closest to float32's loss, never to an ``O3`` preset first.
+    :param states: the low-bit optimizer-state formats to offer (``"int8"``, ``"int4"``,
+        ``"fp8"``, settings in parentheses: ``"int8(min_size=0)"``): for each, the advisor
+        also trains float32's twin (``base=O0,state=int8``) and the recommendation's
+        (``base=O2-bf16,state=int8``), each recommended only when its loss stays within
+        ``tolerance`` of its float32-state twin's. Default ``("int8",)``: one or two more
+        short runs; ``()`` offers none. Every run reports its optimizer state per parameter.
     :returns: an :class:`~mixprec.kit.AdviceReport`; ``report.recommended`` is the policy.
 
     Example (a complete run: a small model, its batches and loss)::
@@ -288,4 +318,5 @@ def advise(
             max_skip_fraction=max_skip_fraction,
             progress=progress,
             objective=objective,
+            states=states,
         )

@@ -22,13 +22,20 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from mixprec.advisor.verdicts import OBJECTIVES
+from mixprec.advisor.verdicts import DEFAULT_STATES, OBJECTIVES, check_states
 from mixprec.cli_format import positive_int
 from mixprec.engine.plugins import load_backend
 from mixprec.errors import AdviceError, MixprecWarning
 from mixprec.policy.grammar import split_items
 
-__all__ = ["add_parser", "backend_of", "check_out", "load_factory", "split_candidates"]
+__all__ = [
+    "add_parser",
+    "backend_of",
+    "check_out",
+    "load_factory",
+    "split_candidates",
+    "split_states",
+]
 
 
 def load_factory(spec: str) -> Any:
@@ -71,6 +78,15 @@ def split_candidates(text: str) -> list[str]:
     if not out:
         raise AdviceError(f"--candidates {text!r} names no policy; e.g. 'O1-bf16,O2-bf16'")
     return out
+
+
+def split_states(text: str) -> list[str]:
+    """The formats of ``--states``: comma-separated (a format's own settings in parentheses
+    stay whole: ``"int8,int4(min_size=0)"``); ``"none"`` offers none.
+
+    :raises AdviceError: an item that names no low-bit state format.
+    """
+    return check_states(split_items(text))
 
 
 def backend_of(model: Any) -> str:
@@ -124,6 +140,7 @@ def _make(spec: str) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     out = check_out(args.out)
+    states = split_states(args.states)  # a bad --states is refused before any training
     plots = plots_available()
     if not plots:
         warnings.warn(
@@ -145,6 +162,7 @@ def _run(args: argparse.Namespace) -> int:
         "candidates": candidates,
         "steps": args.steps,
         "objective": args.objective,
+        "states": states,
     }
     api = load_backend(backend)
     if backend == "mxnet":
@@ -163,6 +181,7 @@ EPILOG = """examples:
   mixprec advise my_advice:factory --out advice/ --steps 16
   mixprec advise my_advice:factory --objective memory --candidates O1-bf16,O2-bf16
   mixprec advise mypackage.train:make_model --backend torch
+  mixprec advise my_advice:factory --states int8,int4 --objective memory
 
 FACTORY names a function of no arguments in a module importable from the current folder
 (my_advice.py above) or the installed packages. It returns (model, make_optimizer, batches,
@@ -172,6 +191,10 @@ A complete my_advice.py for each: 'mixprec docs advisor' (section "The command l
 --objective: speed (default) recommends the fastest policy on this machine, float32
 included; memory the smallest peak memory; numerics the low-precision policy closest to
 float32's loss, to train in wherever low precision is fast.
+
+--states: the low-bit optimizer-state formats to offer (default: int8): float32's twin
+(base=O0,state=int8) and the recommendation's are trained too, each recommended only when
+its loss stays within the tolerance of its float32-state twin's; 'none' offers none.
 """
 
 
@@ -201,6 +224,13 @@ def add_parser(sub: Any) -> None:
         choices=OBJECTIVES,
         default="speed",
         help="what the recommendation optimises (default: speed, on this machine)",
+    )
+    advise.add_argument(
+        "--states",
+        default=",".join(DEFAULT_STATES),
+        help="low-bit optimizer-state formats to offer as twins of float32 and of the "
+        "recommendation: int8, int4, fp8, comma-separated, or 'none' (default: "
+        f"{','.join(DEFAULT_STATES)})",
     )
     advise.add_argument("--out", default="mixprec-advice", help="folder for report and plots")
     advise.set_defaults(run=_run)

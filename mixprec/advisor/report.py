@@ -5,6 +5,9 @@
 NumPy here, and matplotlib is imported only inside :meth:`AdviceReport.plot`.
 
 - :attr:`AdviceReport.recommended` is a policy string; ``mixprec.get_policy`` reads it back.
+- :attr:`PolicyRun.state_bytes_per_param` is the optimizer's state between steps per
+  parameter (8.0 for float32 Adam; about 2 under ``state=int8``); a run of a low-bit state
+  (``state=int8``) names its float32-state twin (:attr:`PolicyRun.state_twin`).
 - :meth:`AdviceReport.table` is the terminal table, :meth:`AdviceReport.to_json` the JSON
   report, :meth:`AdviceReport.write_toml` the policy file to keep, :meth:`AdviceReport.plot`
   the pictures and :meth:`AdviceReport.save` all of them in one folder.
@@ -23,8 +26,14 @@ from typing import Any
 from mixprec.advisor import plots
 from mixprec.atomic import atomic_write_text
 from mixprec.errors import MixprecError
+from mixprec.numerics.lowbit import DEFAULT_MIN_SIZE
 
-__all__ = ["AdviceReport", "ModuleSensitivity", "PolicyRun"]
+__all__ = ["STATE_MEASURE", "AdviceReport", "ModuleSensitivity", "PolicyRun", "state_saving"]
+
+STATE_MEASURE = (
+    "optimizer state between steps per parameter (the tensors the optimizer keeps, after the "
+    "last step; weights and float32 masters not counted)"
+)
 
 
 @dataclass
@@ -59,6 +68,20 @@ class PolicyRun:
     makes at its start, not counted in :attr:`skipped_steps`."""
     initial_scale: float | None = None
     """The loss scale the run started from when the warm-up lowered it, else None."""
+    state_bytes: int | None = None
+    """Bytes of the optimizer's state between steps, after the last step: every tensor it
+    keeps per parameter (moments, momentum; a low-bit state's codes and block scales), its
+    scalar counters (Adam's ``step``) left out, and neither the weights nor float32 masters.
+    None where the backend does not measure it."""
+    parameters: int | None = None
+    """Elements of the parameters the optimizer updates (what :attr:`state_bytes` is per)."""
+    state_twin: str | None = None
+    """For a run whose policy keeps a low-bit state (``state=int8``, ``int4``, ``fp8``): the
+    run of the same policy with the optimizer's own float32 state, its *twin*. Such a run is
+    recommended only when its loss stays within the tolerance of its twin's."""
+    twin_distance: float | None = None
+    """For a low-bit state run: the loss distance from its :attr:`state_twin`'s losses (the
+    same measure as :attr:`loss_distance`, against the twin instead of float32)."""
     verdict: str = ""
     """One line: ``recommended``, the float32 reference, or ``rejected: <why>``."""
 
@@ -71,6 +94,14 @@ class PolicyRun:
     def median_time(self) -> float | None:
         """Median seconds per step, or None when no step was timed."""
         return statistics.median(self.step_times) if self.step_times else None
+
+    @property
+    def state_bytes_per_param(self) -> float | None:
+        """:attr:`state_bytes` / :attr:`parameters`: 8.0 for float32 Adam, 4.0 for float32
+        SGD momentum, about 2 for int8 Adam, 1 for int4; None when not measured."""
+        if self.state_bytes is None or not self.parameters:
+            return None
+        return self.state_bytes / self.parameters
 
 
 @dataclass
@@ -133,6 +164,12 @@ class AdviceReport:
     """What :attr:`recommended` optimises: ``"speed"`` (the fastest policy on this machine,
     float32 included), ``"memory"`` or ``"numerics"`` (the low-precision policy closest to
     float32's loss); see :mod:`mixprec.advisor.verdicts`."""
+    states: list[str] = field(default_factory=list)
+    """The low-bit state formats offered (``["int8"]`` by default): each one's twin of
+    float32 (``base=O0,state=int8``) and of the first recommendation was trained too."""
+    smallest_state: str | None = None
+    """"Smallest state": the qualifying run keeping the fewest optimizer-state bytes per
+    parameter between steps (float32's run included); None when no run measured it."""
 
     # ------------------------------------------------------------------ lookups
 
@@ -148,8 +185,11 @@ class AdviceReport:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain data (``inf`` and NaN become the strings ``"inf"`` and
-        ``"nan"``: JSON has neither)."""
-        return _finite(asdict(self))  # type: ignore[no-any-return]
+        ``"nan"``: JSON has neither); each run also carries its ``state_bytes_per_param``."""
+        data = asdict(self)
+        for run, row in zip(self.runs, data["runs"], strict=True):
+            row["state_bytes_per_param"] = run.state_bytes_per_param
+        return _finite(data)  # type: ignore[no-any-return]
 
     def to_json(self, indent: int | None = 2) -> str:
         """The report as JSON text."""
@@ -172,7 +212,8 @@ class AdviceReport:
 
     def table(self) -> str:
         """The terminal table: one row per policy, then the module ranking and the advice."""
-        head = ("policy", "status", "step ms (min-max)", "memory", "skipped", "scale", "underflow")
+        head = ("policy", "status", "step ms (min-max)", "memory", "state B/param", "skipped",
+                "scale", "underflow")  # fmt: skip
         rows = [(*head, "loss dist", "verdict")]
         for run in self.runs:
             times = "-"
@@ -186,6 +227,7 @@ class AdviceReport:
                     run.status if len(run.status) <= 60 else run.status[:57] + "...",
                     times,
                     _bytes(run.peak_memory),
+                    _num(run.state_bytes_per_param, "{:.2f}"),
                     _skipped(run),
                     scale,
                     _num(run.underflow_fraction, "{:.1%}"),
@@ -199,7 +241,10 @@ class AdviceReport:
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"memory: {self.memory_measure}")
+        if any(run.state_bytes is not None for run in self.runs):
+            lines.append(f"state: {STATE_MEASURE}")
         lines.extend(_warmup_lines(self.runs))
+        lines.extend(_twin_lines(self.runs, self.tolerance))
         if self.sensitivity_policy:
             lines.append("")
             lines.append(f"module sensitivity under {self.sensitivity_policy} (vs float32):")
@@ -235,6 +280,13 @@ class AdviceReport:
                 f"safest numerics: {self.safest}  (loss distance "
                 f"{_num(run.loss_distance, '{:.3f}')})"
             )
+        if self.smallest_state is not None:
+            run = self.run(self.smallest_state)
+            said = f"smallest state: {self.smallest_state}  ({_per_param(run)} of optimizer state"
+            base = next((r for r in self.runs if r.policy == "O0"), None)
+            if base is not None and base is not run and base.state_bytes_per_param:
+                said += f", float32's {_per_param(base)}"
+            lines.append(said + ")")
         return lines
 
     def __str__(self) -> str:
@@ -308,6 +360,54 @@ def _warmup_lines(runs: list[PolicyRun]) -> list[str]:
                 f"{run.initial_scale:g}); the run started from that scale"
             )
     return lines
+
+
+def _twin_lines(runs: list[PolicyRun], tolerance: float) -> list[str]:
+    """One line per low-bit state run: its state against its twin's, and its loss."""
+    lines = []
+    for run in runs:
+        twin = next((r for r in runs if r.policy == run.state_twin), None)
+        if twin is None or not run.ok:
+            continue
+        said = f"low-bit state: {run.policy}: {state_saving(run, twin)}"
+        if run.twin_distance is not None:
+            said += (
+                f"; loss distance from {twin.policy} {_num(run.twin_distance, '{:.3f}')} "
+                f"(tolerance {tolerance:g})"
+            )
+        lines.append(said)
+    return lines
+
+
+def _per_param(run: PolicyRun) -> str:
+    return _num(run.state_bytes_per_param, "{:.2f} B/param")
+
+
+def state_saving(run: PolicyRun, twin: PolicyRun) -> str:
+    """What a low-bit state run saves against its float32-state twin, in a few words:
+    ``"state 2.03 B/param, 3.94x less than O0's 8.00 (96.0 KiB saved)"``."""
+    mine, theirs = run.state_bytes_per_param, twin.state_bytes_per_param
+    if mine is None or theirs is None or run.state_bytes is None or twin.state_bytes is None:
+        return "state not measured"
+    if theirs == 0:
+        return f"no optimizer state to quantize ({twin.policy}'s optimizer keeps none)"
+    if mine >= theirs:
+        return (
+            f"state {mine:.2f} B/param, no less than {twin.policy}'s {theirs:.2f} (no parameter "
+            f"is quantized: each is under the format's min_size, {DEFAULT_MIN_SIZE} elements by "
+            "default, or named by its keep)"
+        )
+    saved = _kib(twin.state_bytes - run.state_bytes)
+    return (
+        f"state {mine:.2f} B/param, {theirs / mine:.2f}x less than {twin.policy}'s "
+        f"{theirs:.2f} ({saved} saved)"
+    )
+
+
+def _kib(value: int) -> str:
+    if value >= 2**20:
+        return f"{value / 2**20:.1f} MiB"
+    return f"{value / 2**10:.1f} KiB"
 
 
 def _num(value: float | None, fmt: str) -> str:

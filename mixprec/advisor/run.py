@@ -14,7 +14,16 @@ model under a policy and measures module errors) and :class:`Trainee` (one copy,
    ``tolerance`` of float32's with few skipped steps, the one that best meets the
    ``objective``: ``"speed"`` (the default: the fastest here, float32 included), ``"memory"``
    or ``"numerics"`` (the low-precision policy closest to float32's loss), with ties within
-   the noise broken by a stated rule (:mod:`mixprec.advisor.verdicts`).
+   the noise broken by a stated rule (:mod:`mixprec.advisor.verdicts`);
+4. for each low-bit optimizer-state format of ``states`` (``int8`` by default), train the
+   low-bit state twin of float32 (``base=O0,state=int8``) and of that recommendation
+   (``base=O2-bf16,state=int8``), where the policy takes one and the backend builds it,
+   and recommend again with them among the runs: a low-bit state run qualifies only when
+   its loss also stays within ``tolerance`` of its float32-state twin's, and its line says
+   what it saves. A candidate named with a low-bit state has its twin trained too.
+
+Every run reports its optimizer state between steps per parameter, when the trainee
+measures it (its optional ``state_bytes()``).
 
 Warnings the copies raise (a ``RepeatedSkipWarning`` of a candidate that skips, a slow
 bfloat16 warning of ``wrap``) are the candidates' findings: they go into the report's notes,
@@ -44,32 +53,41 @@ from typing import Any, Protocol
 
 from mixprec.advisor.report import AdviceReport, ModuleSensitivity, PolicyRun
 from mixprec.advisor.verdicts import (
+    DEFAULT_STATES,
     OBJECTIVES,
+    REFERENCE,
     best_of,
     check_objective,
+    check_states,
     fastest,
     loss_distance,
     recommend,
     safest,
+    smallest_state,
     timing_notes,
     verdicts,
 )
 from mixprec.backend import Capabilities, DeviceCapability
 from mixprec.engine.spec import get_policy
-from mixprec.errors import AdviceError
+from mixprec.errors import AdviceError, PolicyError
 from mixprec.numerics.loss_scale import DynamicScale
+from mixprec.numerics.lowbit import parse_state_format
 from mixprec.policy.presets import BUILTIN_PRESETS
 from mixprec.policy.value import Policy
 
 __all__ = [
+    "DEFAULT_STATES",
     "OBJECTIVES",
     "AdviceError",
     "AdviceTarget",
     "Trainee",
     "candidate_policies",
     "cautioned",
+    "check_states",
+    "float32_state_twin",
     "fp8_rules",
     "loss_distance",
+    "low_bit_variant",
     "propose_rule",
     "recommend",
     "run_advice",
@@ -84,7 +102,12 @@ CALIBRATION_SKIPS = 8
 
 
 class Trainee(Protocol):
-    """One copy of the user's model and optimizer under one policy."""
+    """One copy of the user's model and optimizer under one policy.
+
+    Optional: ``state_bytes() -> tuple[int, int] | None``, the bytes of the optimizer's
+    state between steps and the parameter elements it updates (the report's
+    ``state B/param``); a trainee without it leaves the column empty.
+    """
 
     def step(self, batch: Any) -> float:
         """One training step (forward, backward, optimizer step) on ``batch``, finished on
@@ -104,7 +127,12 @@ class Trainee(Protocol):
 
 
 class AdviceTarget(Protocol):
-    """A backend's view of the user's model: copies under a policy, module errors."""
+    """A backend's view of the user's model: copies under a policy, module errors.
+
+    A low-bit state twin the advisor offers (:func:`low_bit_variant`) is built with
+    :meth:`start` once first: where that raises (a backend or optimizer without low-bit
+    state), the twin is not offered and a note says why.
+    """
 
     backend: str
     device: str
@@ -145,6 +173,28 @@ def cautioned(policies: Sequence[str]) -> list[str]:
         if policy.param != "float32" and policy.master is None and policy.master_strategy is None:
             out.append(name)
     return out
+
+
+def low_bit_variant(policy: str, fmt: str) -> str | None:
+    """``policy`` keeping its optimizer state in ``fmt`` (``"base=O2-bf16,state=int8"``), as
+    the canonical spec; None when ``policy`` keeps a state of its own already or takes no
+    low-bit state (low-precision weights without masters: ``O3``, ``O3-bf16``)."""
+    chosen = get_policy(policy)
+    if chosen.state is not None:
+        return None
+    try:
+        return str(get_policy(chosen, state=fmt))
+    except PolicyError:
+        return None
+
+
+def float32_state_twin(policy: str) -> str | None:
+    """The twin of a policy keeping a low-bit optimizer state: the same policy with the
+    optimizer's own state, as the canonical spec; None for any other policy."""
+    chosen = get_policy(policy)
+    if chosen.state is None or parse_state_format(chosen.state) is None:
+        return None
+    return str(get_policy(chosen, state="none"))
 
 
 def _runs(policy: Policy, cap: DeviceCapability) -> bool:
@@ -360,6 +410,10 @@ def _train_copy(
         run.skipped_steps = trainee.skipped_steps()
         run.underflow_fraction = trainee.underflow_fraction()
         run.peak_memory = trainee.peak_memory()
+        measure = getattr(trainee, "state_bytes", None)
+        counted = measure() if callable(measure) else None
+        if counted is not None:
+            run.state_bytes, run.parameters = counted
     except Exception as exc:  # a candidate this machine cannot run is a finding, not a crash
         # MXNet puts a C++ traceback first: its last line is the reason
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
@@ -398,7 +452,55 @@ def _check(candidates: Sequence[str], batches: Sequence[Any], steps: int, tolera
     names = [str(c) for c in candidates]
     for name in names:
         get_policy(name)  # raises PolicyError naming the bad spec before anything runs
-    return ["O0", *(n for n in dict.fromkeys(names) if get_policy(n) != get_policy("O0"))]
+    out = ["O0"]
+    for name in dict.fromkeys(names):
+        twin = float32_state_twin(name)  # a low-bit state is judged against its twin
+        for spec in (twin, name) if twin is not None else (name,):
+            if all(get_policy(spec) != get_policy(known) for known in out):
+                out.append(spec)
+    return out
+
+
+def _link_twins(runs: Sequence[PolicyRun]) -> None:
+    """Name each low-bit state run's float32-state twin and its loss distance from it."""
+    for run in runs:
+        twin_spec = float32_state_twin(run.policy)
+        if twin_spec is None:
+            continue
+        twin = next((r for r in runs if get_policy(r.policy) == get_policy(twin_spec)), None)
+        run.state_twin = None if twin is None else twin.policy
+        run.twin_distance = None
+        if twin is not None and twin.ok and run.ok:
+            run.twin_distance = loss_distance(run.losses, twin.losses)
+
+
+def _offered(
+    target: AdviceTarget, bases: Sequence[str], formats: Sequence[str], runs: Sequence[PolicyRun]
+) -> tuple[list[str], list[str]]:
+    """The low-bit state twins of ``bases`` to train (not among ``runs`` yet, each built by
+    the target once), and a note for each format the target refused (then that format's
+    later twins are not tried)."""
+    offered: list[str] = []
+    notes: list[str] = []
+    known = [get_policy(r.policy) for r in runs]
+    for fmt in formats:
+        for base in dict.fromkeys(bases):
+            spec = low_bit_variant(base, fmt)
+            if spec is None or get_policy(spec) in known or spec in offered:
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # its run would raise them again
+                    target.start(spec)
+            except Exception as exc:  # a backend or an optimizer without low-bit state
+                first = (str(exc).strip().splitlines() or [""])[0]
+                notes.append(
+                    f"state={fmt}: not offered, the {target.backend} backend refused {spec} "
+                    f"({type(exc).__name__}: {first})"
+                )
+                break
+            offered.append(spec)
+    return offered, notes
 
 
 def run_advice(
@@ -414,6 +516,7 @@ def run_advice(
     max_skip_fraction: float = 0.2,
     progress: bool | None = None,
     objective: str = "speed",
+    states: str | Sequence[str] | None = DEFAULT_STATES,
 ) -> AdviceReport:
     """Train copies under each candidate, tune the fastest one with module rules, advise.
 
@@ -423,15 +526,19 @@ def run_advice(
     if candidates is None:
         candidates = candidate_policies(target.capabilities(), target.device)
     policies = _check(candidates, batches, steps, tolerance, threshold, objective)
+    formats = check_states(states)
     warmup = min(warmup, steps - 1)
     runs: list[PolicyRun] = []
     notes: list[str] = []
-    total = steps * (len(policies) + 1)
+    twins = 2 * len(formats)  # float32's twin and the first recommendation's, at most
+    total = steps * (len(policies) + 1 + twins)
     with _progress(total, f"advise {target.backend}", progress) as (bar, lines):
         if lines is not None:
+            then = f"; then state={'/'.join(formats)} twins of O0 and the advice" if formats else ""
             lines.say(
                 f"{len(policies)} policies, {steps} steps each, objective {objective}: "
                 + ", ".join(policies)
+                + then
             )
         _warm_up(target, batches[0])
         for i, policy in enumerate(policies, 1):
@@ -455,6 +562,7 @@ def run_advice(
             threshold=threshold,
             notes=notes,
             objective=objective,
+            states=formats,
         )
         if lines is not None:
             lines.say("measuring module sensitivity")
@@ -467,10 +575,25 @@ def run_advice(
                 lines.say(f"[tuned] {tuned.policy}: {_summary(tuned)}")
         elif bar is not None:
             bar.update(steps)
-    judged = (tolerance, max_skip_fraction, steps)
+        judged = (tolerance, max_skip_fraction, steps)
+        _link_twins(runs)
+        if formats:
+            first, _ = recommend(runs, *judged, objective, cautioned([r.policy for r in runs]))
+            offered, refused = _offered(target, [REFERENCE, first], formats, runs)
+            notes.extend(refused)
+            for policy in offered:
+                twin = _train(target, policy, batches, steps, warmup, bar, notes)
+                twin.loss_distance = loss_distance(twin.losses, reference) if twin.ok else None
+                runs.append(twin)
+                if lines is not None:
+                    lines.say(f"[state] {policy}: {_summary(twin)}")
+            if bar is not None:
+                bar.update(steps * (twins - len(offered)))
+            _link_twins(runs)
     warned = cautioned([run.policy for run in runs])
     report.recommended, report.reason = recommend(runs, *judged, objective, warned)
     report.fastest, report.safest = fastest(runs, *judged), safest(runs, *judged)
+    report.smallest_state = smallest_state(runs, *judged)
     lines_of = verdicts(runs, report.recommended, *judged, objective, warned)
     for run, verdict in zip(runs, lines_of, strict=True):
         run.verdict = verdict
@@ -482,7 +605,14 @@ def run_advice(
 def _tune(target: AdviceTarget, report: AdviceReport, batch: Any, max_rules: int) -> None:
     """Measure the fastest low-precision candidate's modules and propose float32 rules."""
     fp32 = get_policy("O0")
-    lowp = [r for r in report.runs if r.ok and r.median_time and get_policy(r.policy) != fp32]
+    lowp = [  # a low-bit state changes no module's output: its twin is measured instead
+        r
+        for r in report.runs
+        if r.ok
+        and r.median_time
+        and get_policy(r.policy) != fp32
+        and float32_state_twin(r.policy) is None
+    ]
     if not lowp:
         return
     # the fastest, with the recommendation's tie rule: the same base from identical runs

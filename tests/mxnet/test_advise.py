@@ -8,6 +8,7 @@ bfloat16 candidates are the "failed" rows and the sensitivity test is skipped, s
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from mxnet import gluon  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.mxnet as mpx  # noqa: E402
+from mixprec.advisor.run import DEFAULT_STATES  # noqa: E402
 from mixprec.kit import AdviceError  # noqa: E402
 
 
@@ -83,12 +85,23 @@ def test_users_net_and_optimizer_are_untouched() -> None:
     net = fragile_net()
     optimizer = mx.optimizer.SGD(learning_rate=0.01, momentum=0.9)
     before = {k: v.data().asnumpy().copy() for k, v in net.collect_params().items()}
-    mpx.advise(net, optimizer, None, tiny_batches(), LOSS, ["O0"], 2, progress=False)
+    report = mpx.advise(net, optimizer, None, tiny_batches(), LOSS, ["O0"], 2, progress=False)
     after = {k: v.data() for k, v in net.collect_params().items()}
     assert all(
         (after[k].asnumpy() == v).all() and after[k].dtype == v.dtype for k, v in before.items()
     )
     assert optimizer.num_update == 0 and optimizer.learning_rate == 0.01
+    # the state column: SGD's float32 momentum; the int8 twin trained, or a note says why not
+    assert report.run("O0").state_bytes_per_param == 4.0
+    assert "state B/param" in report.table()
+    twins = [r for r in report.runs if r.state_twin == "O0"]
+    refused = [n for n in report.notes if n.startswith("state=int8: not offered")]
+    assert [r.policy for r in twins] == (["base=O0,state=int8"] if not refused else [])
+
+
+def test_the_low_bit_states_offered_by_default_are_the_advisors() -> None:
+    default = inspect.signature(mpx.advise).parameters["states"].default
+    assert default == DEFAULT_STATES
 
 
 def test_bad_arguments_are_refused_before_anything_runs() -> None:

@@ -84,7 +84,11 @@ def test_recommendation_and_tuned_policy_round_trip_through_get_policy(
     toml = report.write_toml(tmp_path / "policy.toml")
     assert mixprec.load_toml(toml) == mixprec.get_policy(report.recommended)
     data = json.loads(report.to_json())
-    assert [r["policy"] for r in data["runs"]] == ["O0", "O2", "base=O2,path:2=float32"]
+    policies = [r["policy"] for r in data["runs"]]
+    assert policies[:3] == ["O0", "O2", "base=O2,path:2=float32"]
+    # then the int8 twins of float32 and of the first recommendation (test_advise_lowbit.py)
+    assert policies[3] == "base=O0,state=int8"
+    assert all(r["state_twin"] for r in data["runs"][3:]) and len(policies) <= 5
     assert data["recommended"] == report.recommended
 
 
@@ -94,6 +98,7 @@ def test_every_run_reports_times_memory_scale_and_distance(fragile_report) -> No
         assert len(run.losses) == len(run.loss_scales) == 6
         assert len(run.step_times) == 4  # two warm-up steps are not timed
         assert run.peak_memory is not None and run.underflow_fraction is not None
+        assert run.state_bytes_per_param == 4.0  # SGD's float32 momentum (no tensor is int8)
     assert fragile_report.run("O0").loss_scales == [1.0] * 6
     assert fragile_report.run("O2").loss_scales[0] == 65536.0  # dynamic scaling, float16
     assert fragile_report.run("O0").loss_distance == 0.0
