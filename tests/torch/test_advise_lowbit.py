@@ -275,22 +275,29 @@ def test_an_optimizer_without_low_bit_state_gets_no_twin_and_a_note() -> None:
     assert "RMSprop" in note
 
 
-def test_the_command_takes_states_and_refuses_a_bad_one_before_training(
+FACTORY = """\
+import torch
+from torch import nn
+
+
+def factory():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 2))
+    batches = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(2)]
+    return model, lambda p: torch.optim.Adam(p), batches, nn.functional.cross_entropy
+
+
+def exploding():
+    raise SystemExit("the factory ran: training would follow")
+"""
+
+
+@pytest.mark.slow
+def test_the_command_takes_states(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "lowbit_advice_case.py").write_text(
-        "import torch\n"
-        "from torch import nn\n\n"
-        "def factory():\n"
-        "    torch.manual_seed(0)\n"
-        "    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64),\n"
-        "                          nn.ReLU(), nn.Linear(64, 2))\n"
-        "    batches = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(2)]\n"
-        "    return model, lambda p: torch.optim.Adam(p), batches, nn.functional.cross_entropy\n"
-        "\n"
-        "def exploding():\n"
-        "    raise SystemExit('the factory ran: training would follow')\n"
-    )
+    (tmp_path / "lowbit_advice_case.py").write_text(FACTORY)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "advice"
     code = main(["advise", "lowbit_advice_case:factory", "--candidates", "O0", "--steps", "2",
@@ -305,6 +312,15 @@ def test_the_command_takes_states_and_refuses_a_bad_one_before_training(
     code = main(["advise", "lowbit_advice_case:factory", "--candidates", "O0", "--steps", "2",
                  "--states", "none", "--out", str(out)])  # fmt: skip
     assert code == 0 and "state=int8" not in capsys.readouterr().out
-    assert main(["advise", "lowbit_advice_case:exploding", "--states", "int9"]) == 2
-    err = capsys.readouterr().err
-    assert "'int9' names no low-bit state format" in err and "factory ran" not in err
+
+
+def test_the_command_refuses_a_bad_state_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "lowbit_advice_case.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    for states, said in (("int9", "'int9' names no low-bit state format"),
+                         ("int8(block=7)", "block")):  # fmt: skip
+        assert main(["advise", "lowbit_advice_case:exploding", "--states", states]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "factory ran" not in err, err
