@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: demo test test-fast lint bench docs install clean gpu-check dist kernels sanitize
+.PHONY: demo test test-fast lint bench bench-lowbit docs install clean gpu-check dist kernels sanitize
 
 # The JAX plugin's own environment: JAX needs NumPy 2, MXNet 1.9.1 needs NumPy 1.23.5.
 JAX_VENV  := .venv-jax
@@ -99,6 +99,15 @@ lint: $(STAMP)
 
 bench: $(STAMP) $(KERNELS_SO)
 	$(BIN)/python -m benchmarks
+
+# The low-bit AdamWs of bitsandbytes and torchao (the bench-lowbit extra, pinned in
+# constraints.txt) into .venv, for case lowbit_state. torch and numpy are named exactly in the
+# same command so that nothing upgrades them: a loose torch pulls the multi-GB CUDA build,
+# and MXNet needs numpy 1.23.5. Then:
+# .venv/bin/python -m benchmarks --only lowbit_state --threads 1 --json bench-results/lowbit_state.json
+bench-lowbit: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt bitsandbytes torchao \
+		torch==2.13.0 numpy==1.23.5
 
 # On a machine with a CUDA GPU, never in `make test`/CI: every CUDA test, the CUDA benchmark
 # case and a short training, reported in build/gpu-check/summary.md (under 8 minutes on one

@@ -34,6 +34,7 @@ from benchmarks import (
     compensated_gluon,
     cuda,
     dispatch,
+    lowbit_state,
     memory,
     mxnet_step,
     report,
@@ -60,6 +61,7 @@ CASES: tuple[Case, ...] = (
     compensated_gluon.CASE,
     state_memory.CASE,
     torch_compile.CASE,
+    lowbit_state.CASE,
 )
 BY_NAME = {c.name: c for c in CASES}
 
