@@ -262,6 +262,19 @@ def kernels() -> str:
         return f"unknown ({error_text(exc)})"
 
 
+def versions() -> str:
+    """The versions of the other libraries' optimizers (the run's machine lists only its own)."""
+    import importlib.metadata
+
+    out = []
+    for dist in ("bitsandbytes", "torchao"):
+        try:
+            out.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(f"{dist} not installed")
+    return ", ".join(out)
+
+
 def _seeds(opts: Options) -> int:
     return opts.seeds if opts.seeds is not None else 1
 
@@ -308,7 +321,7 @@ def collect(
     spent = time.perf_counter() - started
     lines = [
         f"{group}: {seeds} seed(s), {spent:.0f} s for {len(rows)} contenders in lockstep; "
-        f"mixprec's CPU kernels: {kernels()}"
+        f"mixprec's CPU kernels: {kernels()}; {versions()}"
     ]
     return JobResult(out, lines, {"lowbit_seconds": {group: round(spent, 1)}})
 
