@@ -91,12 +91,19 @@ def _values(signed: bool, n: int = 1000, seed: int = 0) -> np.ndarray:
     return x if signed else x * x
 
 
+@pytest.fixture(scope="module")
+def twin() -> Any:
+    """The torch backend's codec (the backends never import each other; a test may)."""
+    torch = pytest.importorskip("torch")
+    from mixprec_torch.lowbit import codec
+
+    return torch, codec
+
+
 @pytest.mark.parametrize("name", LOWBIT_FORMATS)
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_the_codec_gives_the_torch_twins_codes(name: str, signed: bool) -> None:
-    torch = pytest.importorskip("torch")
-    from mixprec_torch.lowbit import codec as twin
-
+def test_the_codec_gives_the_torch_twins_codes(twin: Any, name: str, signed: bool) -> None:
+    torch, twin = twin
     for spec in (name, f"{name}(block=32)"):
         fmt = parse_state_format(spec)
         assert fmt is not None

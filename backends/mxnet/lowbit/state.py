@@ -312,7 +312,8 @@ class LowBitState:
                 before = held.get((id(updater), index))
                 if before is not None:
                     updater.states[index] = before
-                else:  # the step made this state: there was none before it
+                else:  # no codes before the step: it made this state (or an interrupted
+                    # step left it float32), and its values are not to be trained on
                     updater.states.pop(index, None)
                     updater.states_synced.pop(index, None)
             raise PolicyError(
