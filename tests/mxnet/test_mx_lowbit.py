@@ -606,23 +606,9 @@ def test_deepcopy_copies_the_arrays() -> None:
 def test_the_guide_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon example of the guide's low-bit section, as written there."""
     monkeypatch.chdir(tmp_path)
-    from mxnet import autograd
-
-    import mixprec.mxnet as mpx
-
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(256, in_units=64, activation="relu"), gluon.nn.Dense(10, in_units=256))
-    net.initialize()
-    trainer = mpx.Trainer(net, "adamw", {"learning_rate": 1e-3}, policy="O2-bf16,state=int8")
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    for _ in range(3):
-        x, y = nd.random.normal(shape=(32, 64)), nd.random.randint(0, 10, shape=(32,))
-        with autograd.record():
-            loss = loss_fn(net(x), y)
-            with trainer.scale_loss(loss) as scaled:
-                autograd.backward(scaled)
-        trainer.step(32)
-    trainer.save_states("trainer.states")  # the codes: about 2 bytes per parameter
-    trainer.load_states("trainer.states")  # resumes bit for bit
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    block = guide.split("<!-- lowbit gluon example -->\n  ```python\n", 1)[1].split("  ```", 1)[0]
+    code = "\n".join(line[2:] for line in block.splitlines())
+    exec(compile(code, "guide.md", "exec"), {})
     # (the Dense(256, in_units=64) weight has 16384 elements: quantized; the rest stay float32)
     assert os.path.getsize("trainer.states") < 4 * 2 * 64 * 256
