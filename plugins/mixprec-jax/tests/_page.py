@@ -24,6 +24,7 @@ INCLUDED = [
     "plugins/mixprec-jax/examples/shared_policy/policy.toml",
     "plugins/mixprec-jax/examples/shared_policy/jax_side.py",
     "plugins/mixprec-jax/examples/shared_policy/torch_side.py",
+    "plugins/mixprec-jax/examples/lowbit_state.py",
 ]
 
 #: The page's shell commands, in order, without their comments.

@@ -15,6 +15,7 @@ arithmetic and the conformance suite come from the core; this package maps them 
 Modules: :mod:`~mixprec_jax.optimizer` (the user API), :mod:`~mixprec_jax.stepping` (the
 step), :mod:`~mixprec_jax.intercept` (op-level rules: flax modules and functions by name),
 :mod:`~mixprec_jax.devices` (capabilities), :mod:`~mixprec_jax.compensation`,
+:mod:`~mixprec_jax.lowbit` (low-bit optimizer state, an optax state transform),
 :mod:`~mixprec_jax.checkpoint`, :mod:`~mixprec_jax.diagnostics`.
 
 This is the backend's api module: mixprec imports it when the ``jax`` backend is first
@@ -34,6 +35,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "Optimizer": "mixprec_jax.optimizer",
     "State": "mixprec_jax.state",
+    "QuantizedArray": "mixprec_jax.lowbit",
+    "quantized_state": "mixprec_jax.lowbit",
     "StepInfo": "mixprec_jax.state",
     "ScaleArrays": "mixprec_jax.state",
     "capabilities": "mixprec_jax.devices",
@@ -46,6 +49,7 @@ _LAZY = {
 
 __all__ = [
     "Optimizer",
+    "QuantizedArray",
     "ScaleArrays",
     "State",
     "StepInfo",
@@ -55,6 +59,7 @@ __all__ = [
     "kahan_split",
     "modules_of",
     "policy_scope",
+    "quantized_state",
     "round_with_noise",
 ]
 
@@ -64,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mixprec_jax.devices import capabilities
     from mixprec_jax.diagnostics import explain
     from mixprec_jax.intercept import modules_of, policy_scope
+    from mixprec_jax.lowbit import QuantizedArray, quantized_state
     from mixprec_jax.optimizer import Optimizer
     from mixprec_jax.state import ScaleArrays, State, StepInfo
 

@@ -26,8 +26,8 @@ import numpy as np
 import optax
 
 from mixprec.errors import PolicyError
-from mixprec.kit import Policy
-from mixprec_jax import intercept
+from mixprec.kit import LOWBIT_FORMATS, Policy, StateFormat, parse_state_format
+from mixprec_jax import intercept, lowbit
 from mixprec_jax.casting import PyTree, cast, cast_floating, dtype_name, jax_dtype
 from mixprec_jax.devices import check_dtype, resolve_policy
 from mixprec_jax.optimizer import Optimizer
@@ -121,6 +121,7 @@ class JaxConformanceAdapter:
 
     name = "jax"
     master_strategies = ("kahan", "stochastic")
+    state_dtypes = LOWBIT_FORMATS  # not bfloat16: optax allocates the state
     device = "cpu"
 
     def supported_ops(self) -> tuple[str, ...]:
@@ -158,6 +159,30 @@ class JaxConformanceAdapter:
 
     def make_trainer(self, policy: Policy, seed: int = 0) -> JaxConformanceTrainer:
         return JaxConformanceTrainer(policy, seed)
+
+    def lowbit_quantize(
+        self, state: str, signed: bool, values: list[float]
+    ) -> tuple[list[int], list[float], list[float]]:
+        """``values`` encoded and decoded again by :mod:`mixprec_jax.lowbit`'s codec."""
+        fmt = parse_state_format(state)
+        if fmt is None:
+            raise PolicyError(f"{state!r} is not a low-bit format; one of {LOWBIT_FORMATS}")
+        q, decoded = _codec(fmt, signed)(jnp.asarray(values, jnp.float32))
+        return (
+            np.asarray(q.codes).tolist(),
+            np.asarray(q.absmax).tolist(),
+            np.asarray(decoded).tolist(),
+        )
+
+
+@functools.cache
+def _codec(fmt: StateFormat, signed: bool) -> Callable[[jax.Array], Any]:
+    # one compiled program per case instead of a compiled kernel per operation
+    def run(x: jax.Array) -> tuple[lowbit.QuantizedArray, jax.Array]:
+        q = lowbit.quantize(x, fmt, signed)
+        return q, lowbit.dequantize(q, fmt, signed, x.shape)
+
+    return jax.jit(run)  # type: ignore[no-any-return]
 
 
 # ------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from mixprec.kit import (
     UnseenOp,
     check_rules_visible,
     check_traceable,
+    parse_state_format,
     resolve_for_device,
 )
 
@@ -124,10 +125,11 @@ def resolve_policy(spec: str | Policy, device: str = "cpu") -> Policy:
         check_dtypes(policy, device)
         check_traceable(policy.loss_scale, "jax")
         check_rules_visible(policy, capabilities())
-        if policy.state is not None:
+        if policy.state is not None and parse_state_format(policy.state) is None:
             raise UnsupportedDtypeError(
-                f"the JAX backend keeps the optimizer state as optax allocates it; "
-                f"state={policy.state} is not supported. Drop state from {policy.label}"
+                f"the JAX backend keeps the optimizer state as optax allocates it or in 8 or "
+                f"4 bits (state=int8, int4, fp8); state={policy.state} is not supported. Drop "
+                f"state from {policy.label}, or keep it quantized (state=int8)"
             )
 
     return resolve_for_device(spec, "jax", device, capabilities(), check=check)

@@ -30,8 +30,9 @@ from mixprec.kit import (
     check_scaler_without_masters,
     check_seed,
     initial_scale,
+    parse_state_format,
 )
-from mixprec_jax import checkpoint, compensation, diagnostics
+from mixprec_jax import checkpoint, compensation, diagnostics, lowbit
 from mixprec_jax.casting import PyTree, cast, to_float32
 from mixprec_jax.devices import resolve_policy
 from mixprec_jax.state import ScaleArrays, State, StepInfo
@@ -84,7 +85,9 @@ class Optimizer:
     :raises MixprecError: before anything is traced, for a policy the device or the plugin
         cannot honour (a dtype the device lacks, a rule on an op the plugin cannot see,
         ``on_floor="raise"``, ``state=bfloat16``), a bad seed, or a ``tx`` that is not an
-        optax transformation.
+        optax transformation. Under a low-bit ``state`` (``state=int8``, ``int4``, ``fp8``)
+        ``tx`` is wrapped in :func:`~mixprec_jax.quantized_state`, and :meth:`init`
+        refuses an optimizer whose state it cannot quantize.
     """
 
     def __init__(
@@ -107,7 +110,10 @@ class Optimizer:
             device = f"{default.platform}:{default.id}"
         self.device = device
         self.policy: Policy = resolve_policy(policy, device)  # type: ignore[arg-type]
-        self.tx = tx
+        #: The low-bit state format of the policy, or None.
+        self.state_format = parse_state_format(self.policy.state) if self.policy.state else None
+        #: ``tx``, wrapped in :func:`~mixprec_jax.quantized_state` under a low-bit ``state``.
+        self.tx = tx if self.state_format is None else lowbit.quantized_state(tx, self.state_format)
         self.modules: Modules | None = None if modules is None else dict(modules)
         #: The modules the last traced step saw (path -> classes), for :meth:`dtype_report`.
         self.seen_modules: Modules | None = self.modules
@@ -132,7 +138,9 @@ class Optimizer:
             function then is ``loss_fn(params, batch, model_state) -> (loss, new_state)``
             and a skipped step keeps them as they were.
         :raises WrapError: a parameter is not a floating array, or the classes are needed
-            and missing.
+            and missing; under a low-bit ``state``, an optax optimizer whose per-parameter
+            state is not Adam's, AMSGrad's or SGD's momentum (:data:`mixprec_jax.lowbit
+            .SUPPORTED`).
         """
         policy = self.policy
         if self.modules is None and has_class_pins(policy) and not policy.uses_masters:
@@ -237,7 +245,10 @@ class Optimizer:
             a Gluon, PyTorch, pickle or ``.npy`` file) or is empty, truncated, oversized or
             damaged; nothing is returned half-loaded.
         """
-        return checkpoint.load(file, like, self.policy)
+        state = checkpoint.load(file, like, self.policy)
+        if self.state_format is not None:
+            lowbit.check_codes(state.opt_state, self.state_format)
+        return state
 
     def save_params(self, file: str | IO[bytes], state: State) -> None:
         """Write :meth:`params` to a ``.npz`` file, float32 wherever the policy keeps more

@@ -2,7 +2,8 @@
 
 Scale the loss -> backward -> (several devices: reduce the gradients and the overflow flag
 across the axis) -> unscale into float32 and check for inf/NaN and an overflowing squared
-norm -> let optax update the float32 working values, or keep everything as it was ->
+norm -> let optax update the float32 working values (a low-bit optimizer state decoded
+around its update: :mod:`mixprec_jax.lowbit`), or keep everything as it was ->
 update the loss scale with the core's state machine (:func:`mixprec.traced_scale.next_scale`)
 -> store the weights back (masters as they are; compensated ones rounded).
 
@@ -22,7 +23,7 @@ import optax
 
 from mixprec.errors import WrapError
 from mixprec.kit import Policy, ScaleState, next_scale
-from mixprec_jax import compensation
+from mixprec_jax import compensation, lowbit
 from mixprec_jax.casting import PyTree, cast, cast_floating, dtype_name, is_floating, to_float32
 from mixprec_jax.intercept import policy_scope
 from mixprec_jax.state import ScaleArrays, State, StepInfo
@@ -160,6 +161,9 @@ def build_step(
         working = working_values(opt, state)
         grads = jax.tree_util.tree_map(lambda g, w: g.astype(w.dtype), grads, working)
         updates, opt_state = tx.update(grads, state.opt_state, working)
+        # a low-bit state cannot hold an inf or NaN moment: such an update is skipped (a
+        # constant True, so nothing, without one)
+        skipped = jnp.logical_or(skipped, jnp.logical_not(lowbit.all_finite(opt_state)))
         updated = optax.apply_updates(working, updates)
         strategy = policy.master_strategy
         comp, rng = state.compensation, state.rng
