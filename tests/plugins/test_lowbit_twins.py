@@ -1,7 +1,9 @@
-"""The torch twin of the low-bit state codec (``mixprec_torch.lowbit.codec``) gives the NumPy
-reference's codes, block absmax and decoded values bit for bit (``mixprec_numpy.lowbit``):
-every format and sign, odd lengths and short last blocks, zero blocks, exact ties on the
-midpoints, subnormal and huge values."""
+"""The torch backend's low-bit state codec (``mixprec_torch.lowbit.codec``: ``quantize`` and
+``dequantize``, which run the C kernels on the CPU where they are in use, and their torch
+twins ``quantize_torch`` and ``dequantize_torch``) gives the NumPy reference's codes, block
+absmax and decoded values bit for bit (``mixprec_numpy.lowbit``): every format and sign, odd
+lengths and short last blocks, zero blocks, exact ties on the midpoints, subnormal and huge
+values."""
 
 from __future__ import annotations
 
@@ -61,17 +63,28 @@ CASES = [
 ]
 
 
+#: (quantize, dequantize) of the backend: as wrap uses them, and the torch twins alone.
+CODECS = {
+    "codec": (twin.quantize, twin.dequantize),
+    "torch-twin": (twin.quantize_torch, twin.dequantize_torch),
+}
+
+
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize(("state", "signed"), CASES, ids=[f"{s}-{g}" for s, g in CASES])
-def test_the_torch_twin_is_the_numpy_reference_bit_for_bit(state: str, signed: bool) -> None:
+def test_the_torch_codec_is_the_numpy_reference_bit_for_bit(
+    state: str, signed: bool, codec: str
+) -> None:
     fmt = _fmt(state)
+    quantize, dequantize = CODECS[codec]
     for name, x in _data(fmt, signed).items():
         want = reference.quantize(x, fmt, signed)
-        codes, absmax = twin.quantize(torch.from_numpy(x.copy()), fmt, signed)
+        codes, absmax = quantize(torch.from_numpy(x.copy()), fmt, signed)
         where = f"{state} {'signed' if signed else 'unsigned'} {name}"
         assert codes.dtype == torch.uint8, where
         assert codes.numpy().tobytes() == want.codes.tobytes(), f"codes differ: {where}"
         assert _bits(absmax.numpy()) == _bits(want.absmax), f"absmax differs: {where}"
-        decoded = twin.dequantize(codes, absmax, fmt, signed, x.size).numpy()
+        decoded = dequantize(codes, absmax, fmt, signed, x.size).numpy()
         wanted = reference.dequantize(want, fmt, signed, x.size)
         assert _bits(decoded) == _bits(wanted), f"decoded values differ: {where}"
 
