@@ -241,6 +241,18 @@ def test_code_lines_fit_the_page(pages: dict[str, Page]) -> None:
     assert not long, "\n".join(long)
 
 
+def test_code_blocks_wrap_where_a_long_line_would_scroll(site: Path) -> None:
+    """Below 1400 px (a 1280 px laptop) a 100-character line does not fit beside the two
+    sidebars: the site's stylesheet wraps code lines there instead of scrolling."""
+    css = (site / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    rule = re.search(r"@media screen and \(max-width: ([\d.]+)em\) \{(.*?)\n\}", css, re.S)
+    assert rule is not None, "no narrow-screen rule in extra.css"
+    assert 80 <= float(rule.group(1)) < 87.5  # 1280 px is 80em at 16 px
+    assert re.search(r"pre > code \{[^}]*white-space: pre-wrap", rule.group(2))
+    pages = [p for p in site.rglob("*.html") if "extra.css" in p.read_text(encoding="utf-8")]
+    assert len(pages) == len(list(site.rglob("*.html")))  # every page links the stylesheet
+
+
 def _png(path: Path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -258,7 +270,8 @@ def test_the_advisor_page_shows_a_run_of_this_build(site: Path, pages: dict[str,
     for backend in ("torch", "mxnet"):
         assert f"mixprec advise examples.advise_demo:{backend}_digits" in text
         assert f"report: advice/{backend}/report.json" in text
-    assert text.count("\nrecommended: ") == 2 and "O0       ok" in text
+    assert text.count("\nrecommended: ") == 2 and re.search(r"\nO0 +ok ", text)
+    assert "\nlow-bit state: O0,state=int8: state " in text  # the int8 twin of float32
 
 
 def test_the_benchmarks_page_leads_with_its_chart(site: Path, pages: dict[str, Page]) -> None:

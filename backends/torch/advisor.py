@@ -277,8 +277,8 @@ def advise(
         10% go to the run closest to float32's loss, never to an ``O3`` preset first.
     :param states: the low-bit optimizer-state formats to offer (``"int8"``, ``"int4"``,
         ``"fp8"``, settings in parentheses: ``"int8(min_size=0)"``): for each, the advisor
-        also trains float32's twin (``base=O0,state=int8``) and the recommendation's
-        (``base=O2-bf16,state=int8``), each recommended only when its loss stays within
+        also trains float32's twin (``O0,state=int8``) and the recommendation's
+        (``O2-bf16,state=int8``), each recommended only when its loss stays within
         ``tolerance`` of its float32-state twin's. Default ``("int8",)``: one or two more
         short runs; ``()`` offers none. Every run reports its optimizer state per parameter.
     :returns: an :class:`~mixprec.kit.AdviceReport`; ``report.recommended`` is the policy.

@@ -193,7 +193,7 @@ included; memory the smallest peak memory; numerics the low-precision policy clo
 float32's loss, to train in wherever low precision is fast.
 
 --states: the low-bit optimizer-state formats to offer (default: int8): float32's twin
-(base=O0,state=int8) and the recommendation's are trained too, each recommended only when
+(O0,state=int8) and the recommendation's are trained too, each recommended only when
 its loss stays within the tolerance of its float32-state twin's; 'none' offers none.
 """
 

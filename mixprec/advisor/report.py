@@ -166,7 +166,7 @@ class AdviceReport:
     float32's loss); see :mod:`mixprec.advisor.verdicts`."""
     states: list[str] = field(default_factory=list)
     """The low-bit state formats offered (``["int8"]`` by default): each one's twin of
-    float32 (``base=O0,state=int8``) and of the first recommendation was trained too."""
+    float32 (``O0,state=int8``) and of the first recommendation was trained too."""
     smallest_state: str | None = None
     """"Smallest state": the qualifying run keeping the fewest optimizer-state bytes per
     parameter between steps (float32's run included); None when no run measured it."""

@@ -16,8 +16,8 @@ model under a policy and measures module errors) and :class:`Trainee` (one copy,
    or ``"numerics"`` (the low-precision policy closest to float32's loss), with ties within
    the noise broken by a stated rule (:mod:`mixprec.advisor.verdicts`);
 4. for each low-bit optimizer-state format of ``states`` (``int8`` by default), train the
-   low-bit state twin of float32 (``base=O0,state=int8``) and of that recommendation
-   (``base=O2-bf16,state=int8``), where the policy takes one and the backend builds it,
+   low-bit state twin of float32 (``O0,state=int8``) and of that recommendation
+   (``O2-bf16,state=int8``), where the policy takes one and the backend builds it,
    and recommend again with them among the runs: a low-bit state run qualifies only when
    its loss also stays within ``tolerance`` of its float32-state twin's, and its line says
    what it saves. A candidate named with a low-bit state has its twin trained too.
@@ -176,16 +176,20 @@ def cautioned(policies: Sequence[str]) -> list[str]:
 
 
 def low_bit_variant(policy: str, fmt: str) -> str | None:
-    """``policy`` keeping its optimizer state in ``fmt`` (``"base=O2-bf16,state=int8"``), as
-    the canonical spec; None when ``policy`` keeps a state of its own already or takes no
-    low-bit state (low-precision weights without masters: ``O3``, ``O3-bf16``)."""
+    """``policy`` keeping its optimizer state in ``fmt``: ``"O2-bf16,state=int8"`` for a
+    preset (short enough for the report's table, and read back by ``get_policy``), the
+    canonical spec otherwise; None when ``policy`` keeps a state of its own already or takes
+    no low-bit state (low-precision weights without masters: ``O3``, ``O3-bf16``)."""
     chosen = get_policy(policy)
     if chosen.state is not None:
         return None
     try:
-        return str(get_policy(chosen, state=fmt))
+        variant = get_policy(chosen, state=fmt)
     except PolicyError:
         return None
+    if str(chosen) == policy and "," not in policy and "=" not in policy:  # a preset's name
+        return f"{policy},state={variant.state}"
+    return str(variant)
 
 
 def float32_state_twin(policy: str) -> str | None:

@@ -409,9 +409,7 @@ def verdicts(
             line = "rejected: " + _lost(run, chosen, recommended, objective, cautioned)
         if run.policy == quickest and run.policy != recommended:
             line += "; fastest here"
-        if twin is not None and run.ok:
-            line += f"; {state_saving(run, twin)}"
-        lines.append(line)
+        lines.append(line)  # a low-bit run's saving: its own line under the table
     return lines
 
 

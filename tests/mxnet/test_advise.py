@@ -96,7 +96,7 @@ def test_users_net_and_optimizer_are_untouched() -> None:
     assert "state B/param" in report.table()
     twins = [r for r in report.runs if r.state_twin == "O0"]
     refused = [n for n in report.notes if n.startswith("state=int8: not offered")]
-    assert [r.policy for r in twins] == (["base=O0,state=int8"] if not refused else [])
+    assert [r.policy for r in twins] == (["O0,state=int8"] if not refused else [])
 
 
 def test_the_low_bit_states_offered_by_default_are_the_advisors() -> None:

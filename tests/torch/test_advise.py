@@ -87,7 +87,7 @@ def test_recommendation_and_tuned_policy_round_trip_through_get_policy(
     policies = [r["policy"] for r in data["runs"]]
     assert policies[:3] == ["O0", "O2", "base=O2,path:2=float32"]
     # then the int8 twins of float32 and of the first recommendation (test_advise_lowbit.py)
-    assert policies[3] == "base=O0,state=int8"
+    assert policies[3] == "O0,state=int8"
     assert all(r["state_twin"] for r in data["runs"][3:]) and len(policies) <= 5
     assert data["recommended"] == report.recommended
 
