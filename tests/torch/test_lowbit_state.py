@@ -200,6 +200,11 @@ def test_damaged_codes_or_scales_are_refused() -> None:
         damaged = {**sd, "state": {**sd["state"], 0: {**entry, key: value}}}
         with pytest.raises(CheckpointError, match=r"does not fit|inf or NaN"):
             opt.load_state_dict(damaged)
+    beyond = entry["exp_avg"].clone()
+    beyond[7] = 255  # the signed int8 map has 255 values: codes 0..254
+    damaged = {**sd, "state": {**sd["state"], 0: {**entry, "exp_avg": beyond}}}
+    with pytest.raises(CheckpointError, match="code 255, beyond the 255 values"):
+        opt.load_state_dict(damaged)
     nan = entry["exp_avg_sq.absmax"].clone()
     nan[0] = float("nan")
     damaged = {**sd, "state": {**sd["state"], 0: {**entry, "exp_avg_sq.absmax": nan}}}

@@ -91,7 +91,8 @@ print(json.dumps({"origin": info.origin, "path": info.path, "reason": info.reaso
 """
 
 # The bits of every kernel's work: the fused update (4 policies x 3 optimizers), the guard's
-# pass (a huge loss, loss scaling), the noise and stochastic rounding.
+# pass (a huge loss, loss scaling), the low-bit codec and fused step (3 formats), the noise
+# and stochastic rounding.
 DIGEST = r"""
 import hashlib, json, warnings
 warnings.simplefilter("error", UserWarning)
@@ -139,6 +140,27 @@ for policy in ["O2", "O2-bf16", "O1"]:
         feed([p.grad for p in mixprec.torch.master_params(opt)])
         opt.step()
     feed([*model.parameters()])
+from mixprec.kit import parse_state_format
+from mixprec_torch.lowbit import codec
+x = torch.randn(1001, generator=gen) * torch.logspace(-8, 0, 1001)
+x[100:132] = 0.0
+for name in ["int8", "int4", "fp8"]:
+    fmt = parse_state_format(name + "(block=32)")
+    for signed in (True, False):
+        v = x if signed else x.abs()
+        codes, scale = codec.quantize(v, fmt, signed)
+        feed([codes, scale, codec.dequantize(codes, scale, fmt, signed, v.numel())])
+    for make in makers:  # the fused low-bit step (float32-kept tensors: keep=2.*)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 37), nn.Tanh(), nn.Linear(37, 3))
+        policy = f"O0,state={name}(block=32,min_size=0,keep=2.*)"
+        model, opt = mixprec.torch.wrap(net, make(list(net.parameters())), policy=policy)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[:96].view(16, 6)), y).backward()
+            opt.step()
+        state = [v for s in opt.state_dict()["state"].values() for v in s.values()]
+        feed([*model.parameters(), *[v for v in state if isinstance(v, torch.Tensor)]])
 feed([noise.noise(noise.pass_key(5, 3, 1), 12345, 4099)])
 work = torch.randn(70001, generator=gen)
 noise.round_stochastic_(work, 99, index=3)
@@ -683,7 +705,7 @@ def test_the_kernel_tests_pass_under_the_sanitizers(tmp_path: Path) -> None:
     assert b"libasan" in library.read_bytes() and b"libubsan" in library.read_bytes()
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/torch/test_cpu_kernels.py"],
+         "tests/torch/test_cpu_kernels.py", "tests/torch/test_lowbit_native.py"],
         env=env, cwd=ROOT, capture_output=True, text=True, check=False, timeout=1500,
     )  # fmt: skip
     reports = "".join(p.read_text() for p in tmp_path.glob("*san.*"))

@@ -11,13 +11,10 @@ kept (kahan), or rounded stochastically (stochastic; the state too under
 ``state="bfloat16"``). Float32 parameters of the same optimizer (modules pinned to float32)
 are updated in place by the same pass.
 
-The update rule is the optimizer's, each float32 operation rounded once (SGD: weight decay,
-momentum with dampening, Nesterov, ``maximize``; Adam: ``m += (g - m)(1 - b1)``,
-``v = v b2 + g² (1 - b2)``, ``x -= (m / (√v / √(1 - b2ᵗ) + eps)) lr / (1 - b1ᵗ)`` with the
-reciprocal square root of the bias correction as a float32 factor; AdamW's decoupled decay
-``x *= 1 - lr wd``). It agrees with torch's own implementations to a few float32 ulps, not
-bit for bit (torch's kernels fuse some of these operations differently per CPU). The optimizer
-state keeps torch's format (``step``, ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), so
+The update rule is the optimizer's, each float32 operation rounded once
+(:mod:`mixprec_torch.cpu.update_rule`, shared with the low-bit state's fused step); it agrees
+with torch's own implementations to a few float32 ulps, not bit for bit. The optimizer state
+keeps torch's format (``step``, ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), so
 checkpoints move between this path, the generic path and an unwrapped optimizer.
 
 Two implementations give the same bits: the native kernel (:func:`mixprec_torch.cpu.clib.update`,
@@ -28,7 +25,6 @@ the kernel cannot be built.
 from __future__ import annotations
 
 import array
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,30 +33,19 @@ import torch
 
 from ..cpu import clib
 from ..cpu.noise import round_stochastic_
+from ..cpu.update_rule import (
+    ADAM,
+    algo_of,
+    bias_corrections,
+    hyper,
+    options_fusable,
+    rule_torch,
+)
 from ..step.optimizer_state import base_class
-from ..torch_private import foreach_add_
 
 __all__ = ["FusedParam", "fusable", "fusable_options", "fusable_params", "run"]
 
-_SGD, _ADAM = 0, 1
 PLAIN, KAHAN, STOCHASTIC = 0, 1, 2
-_ALGOS: dict[type, int] = {
-    torch.optim.SGD: _SGD,
-    torch.optim.Adam: _ADAM,
-    torch.optim.AdamW: _ADAM,
-}
-# The parameter-group keys the fused update honours, per rule: the ones it reads, the ones
-# that only pick torch's implementation (which this update replaces) or that an LR
-# scheduler or SWA keeps for itself, and those it honours only when off. Any other key (an
-# option a later torch adds, another library's) takes the generic path, which runs the
-# optimizer's own step.
-_READ = {
-    _SGD: {"params", "lr", "weight_decay", "maximize", "momentum", "dampening", "nesterov"},
-    _ADAM: {"params", "lr", "weight_decay", "maximize", "betas", "eps", "decoupled_weight_decay"},
-}
-_NEUTRAL = {"foreach", "fused", "param_names", "initial_lr", "max_lr", "min_lr", "swa_lr"}
-_NEUTRAL |= {"base_momentum", "max_momentum"}
-_ONLY_OFF = {_SGD: {"differentiable"}, _ADAM: {"amsgrad", "capturable", "differentiable"}}
 
 
 @dataclass
@@ -98,19 +83,7 @@ def fusable(
 def fusable_options(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's class and every parameter group's options take the fused
     update (one look per group: the step asks every time, as options may change)."""
-    algo = _ALGOS.get(base_class(optimizer))
-    if algo is None:
-        return False
-    known = _READ[algo] | _NEUTRAL | _ONLY_OFF[algo]
-    for group in optimizer.param_groups:
-        if not known.issuperset(group) or any(group.get(k) for k in _ONLY_OFF[algo]):
-            return False
-        if algo == _ADAM and not all(isinstance(b, float) for b in group["betas"]):
-            return False
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.device.type != "cpu"):
-            return False
-    return True
+    return options_fusable(base_class(optimizer), optimizer.param_groups)
 
 
 def fusable_params(
@@ -123,7 +96,7 @@ def fusable_params(
 
     :param lookup: as for :func:`fusable`.
     """
-    if base_class(optimizer) not in _ALGOS:
+    if algo_of(base_class(optimizer)) is None:
         return False
     for group in optimizer.param_groups:
         for master in group["params"]:
@@ -183,7 +156,7 @@ def _items(
         if not grad.is_contiguous():
             grad = grad.contiguous()
         state = optimizer.state[master]
-        if algo == _ADAM:
+        if algo == ADAM:
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
             steps.append(state["step"])
@@ -203,41 +176,9 @@ def _items(
         else:
             items.append(_Item(param, grad, None, None))
     if steps:  # torch's single-tensor Adam: step += 1, then the bias corrections in float64
-        foreach_add_(steps, 1.0)
-        beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
-        cache: dict[float, tuple[float, float]] = {}
-        for item, count in zip(items, torch.stack(steps).tolist(), strict=True):
-            if count not in cache:
-                cache[count] = (
-                    lr / (1.0 - beta1**count),
-                    1.0 / math.sqrt(1.0 - beta2**count),
-                )
-            item.step_size, item.inv_bc2 = cache[count]
+        for item, factors in zip(items, bias_corrections(group, steps), strict=True):
+            item.step_size, item.inv_bc2 = factors
     return items
-
-
-def _hyper(group: dict[str, Any], algo: int, keys: Sequence[int]) -> clib.Hyper:
-    lr = float(group["lr"])
-    wd = float(group.get("weight_decay", 0.0))
-    hyper = clib.Hyper()
-    hyper.algo = algo
-    hyper.maximize = int(bool(group.get("maximize", False)))
-    hyper.lr = lr
-    hyper.weight_decay = wd
-    hyper.key_w, hyper.key_s0, hyper.key_s1 = keys
-    if algo == _ADAM:
-        beta1, beta2 = group["betas"]
-        hyper.decoupled = int(bool(group.get("decoupled_weight_decay", False)))
-        hyper.decay_mul = 1.0 - lr * wd
-        hyper.beta1, hyper.omb1 = beta1, 1.0 - beta1
-        hyper.beta2, hyper.omb2 = beta2, 1.0 - beta2
-        hyper.eps = float(group["eps"])
-    else:
-        hyper.momentum = float(group.get("momentum", 0.0))
-        hyper.omd = 1.0 - float(group.get("dampening", 0.0))
-        hyper.nesterov = int(bool(group.get("nesterov", False)))
-    return hyper
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -274,14 +215,8 @@ def _store_state(target: torch.Tensor, value: torch.Tensor, key: int, index: int
     target.copy_(value)
 
 
-def _f32(x: float) -> float:
-    """``x`` rounded to float32, as the kernel receives it."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def _run_torch(items: list[_Item], hyper: clib.Hyper) -> None:
+def _run_torch(items: list[_Item], h: clib.Hyper) -> None:
     """The kernel's arithmetic with torch operations: the same bits, more passes."""
-    lr, wd = _f32(hyper.lr), _f32(hyper.weight_decay)
     for item in items:
         p = item.param
         w = p.weight
@@ -289,38 +224,22 @@ def _run_torch(items: list[_Item], hyper: clib.Hyper) -> None:
         if p.mode == KAHAN:
             assert p.comp is not None
             x = x + p.comp.float()
-        g = item.grad.float()
-        if hyper.maximize:
-            g = g.neg()
-        if hyper.algo == _ADAM:
-            assert item.s0 is not None and item.s1 is not None
-            if wd != 0.0:
-                if hyper.decoupled:
-                    x = x * _f32(hyper.decay_mul)
-                else:
-                    g = g + x * wd
-            m = item.s0.float()
-            v = item.s1.float()
-            m = m + (g - m) * _f32(hyper.omb1)
-            v = v * _f32(hyper.beta2) + (g * g) * _f32(hyper.omb2)
-            # correctly rounded, as the kernel's sqrtf: torch's float32 sqrt on the CPU is
-            # not (it differs from IEEE in about one element in five, and between CPU builds)
-            d = v.double().sqrt().float() * _f32(item.inv_bc2) + _f32(hyper.eps)
-            x = x - (m / d) * _f32(item.step_size)
-            _store_state(item.s1, v, hyper.key_s1, p.index)
-            _store_state(item.s0, m, hyper.key_s0, p.index)
-        else:
-            if wd != 0.0:
-                g = g + x * wd
-            if item.s0 is not None:
-                momentum = _f32(hyper.momentum)
-                if item.first:
-                    buf = g.clone()
-                else:
-                    buf = item.s0.float() * momentum + g * _f32(hyper.omd)
-                _store_state(item.s0, buf.clone(), hyper.key_s0, p.index)
-                g = g + buf * momentum if hyper.nesterov else buf
-            x = x - g * lr
+        s0 = None if item.s0 is None or item.first else item.s0.float()
+        s1 = None if item.s1 is None else item.s1.float()
+        x, m, v = rule_torch(
+            h,
+            x,
+            item.grad.float(),
+            s0,
+            s1,
+            first=item.first,
+            step_size=item.step_size,
+            inv_bc2=item.inv_bc2,
+        )
+        if item.s1 is not None and v is not None:
+            _store_state(item.s1, v, h.key_s1, p.index)
+        if item.s0 is not None and m is not None:
+            _store_state(item.s0, m, h.key_s0, p.index)
         if p.mode == PLAIN:
             w.copy_(x)
         elif p.mode == KAHAN:
@@ -329,7 +248,7 @@ def _run_torch(items: list[_Item], hyper: clib.Hyper) -> None:
             w.copy_(rounded)
             p.comp.copy_(x - rounded.float())
         else:
-            round_stochastic_(x, hyper.key_w, p.index)
+            round_stochastic_(x, h.key_w, p.index)
             w.copy_(x)
 
 
@@ -346,15 +265,16 @@ def run(
         optimizer, None to leave it (and its state) untouched this step, as torch does.
     :param keys: the noise keys of the weights' pass and the two state slots.
     """
-    algo = _ALGOS[base_class(optimizer)]
+    algo = algo_of(base_class(optimizer))
+    assert algo is not None, "call fusable() first"
     lib = clib.library()
     with torch.no_grad():
         for group in optimizer.param_groups:
             items = _items(optimizer, group, algo, lookup, grad_of)
             if not items:
                 continue
-            hyper = _hyper(group, algo, keys)
+            h = hyper(group, algo, keys)
             if lib is not None:
-                _run_native(lib, items, hyper)
+                _run_native(lib, items, h)
             else:
-                _run_torch(items, hyper)
+                _run_torch(items, h)

@@ -8,6 +8,11 @@
  *   reads the weight, its compensation, the gradient and the optimizer state and writes them
  *   back, the update rule in float32 registers.
  * - mp_round_sr / mp_noise: stochastic rounding of a float32 buffer and the noise it adds.
+ * - mp_maxabs: the largest magnitude over several tensors (the low-bit fused step's bounds).
+ * - mp_lowbit_quantize / mp_lowbit_dequantize (mp_lowbit_index): the block-wise codec of the
+ *   low-bit optimizer state (int8, int4, fp8), and mp_lowbit_update: the fused update of
+ *   float32 weights whose SGD/Adam/AdamW state is kept low-bit, one pass per tensor that
+ *   decodes each block of the state, applies the rule, writes the weight and encodes the block.
  *
  * Building. The file is built when the package is (setup.py: a plain shared library inside
  * mixprec_torch/cpu, shipped in the wheel; no Python headers), or by the developer build
@@ -20,17 +25,20 @@
  * mixprec-cflags: -O2 -ftree-vectorize -ffp-contract=off -fno-math-errno -pthread
  *
  * Bit-exactness. Every float operation is rounded once (compiled with -ffp-contract=off: no
- * fused multiply-add, in every clone), in the order of the torch fallback in
- * mixprec_torch.compensated.fused_update and mixprec_torch.cpu.noise, so the two give the
- * same bits; vectorising changes no result (IEEE add, mul, div and sqrt are correctly
- * rounded, and no sum is reassociated except the guard's sum of squares, which only decides
- * a flag). The stochastic-rounding noise is counter-based: element i of a pass with key k
- * gets the 16 bits (i mod 4) of splitmix64's output for the counter k + (i / 4) * golden
- * gamma, so it depends only on (seed, step, element), never on the thread that draws it.
+ * fused multiply-add, in every clone; no -ffast-math: x / a is a true division), in the order
+ * of the torch fallbacks in mixprec_torch.compensated.fused_update, mixprec_torch.cpu.noise
+ * and mixprec_torch.lowbit (codec, fused_step), so the two give the same bits; vectorising
+ * changes no result (IEEE add, mul, div and sqrt are correctly rounded, and no sum is
+ * reassociated except the guard's sum of squares, which only decides a flag; a maximum is
+ * the same in any order). The stochastic-rounding noise is counter-based: element i of a
+ * pass with key k gets the 16 bits (i mod 4) of splitmix64's output for the counter
+ * k + (i / 4) * golden gamma, so it depends only on (seed, step, element), never on the
+ * thread that draws it.
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MP_F32 0
@@ -48,7 +56,7 @@
 #define MP_CHUNK 128
 #define MP_MAX_THREADS 64
 
-#define MP_ABI 4
+#define MP_ABI 5
 
 /* The sha-256 prefix of this file as built (set by the build; "unknown" without it): the
  * loader refuses a library built from another version of the source (a stale in-place build
@@ -506,9 +514,9 @@ MP_INLINE void scale(float *restrict x, float k, int64_t n) {
 }
 
 MP_INLINE void adam_rule(float *restrict x, const float *restrict g, float *restrict m,
-                      float *restrict v, const mp_hyper *h, const mp_item *it, int64_t n) {
+                      float *restrict v, const mp_hyper *h, float step_size, float inv_bc2,
+                      int64_t n) {
     const float omb1 = h->omb1, beta2 = h->beta2, omb2 = h->omb2, eps = h->eps;
-    const float step_size = it->step_size, inv_bc2 = it->inv_bc2;
     for (int64_t j = 0; j < n; j++) {
         float mj = m[j] + (g[j] - m[j]) * omb1;
         float vj = v[j] * beta2 + (g[j] * g[j]) * omb2;
@@ -570,7 +578,7 @@ MP_INLINE void update_piece(const mp_item *it, const mp_hyper *h, int64_t a, int
             }
             widen(s0, (const char *)it->s0 + lo * el, it->sdt, n);
             widen(s1, (const char *)it->s1 + lo * el, it->sdt, n);
-            adam_rule(xs, gs, s0, s1, h, it, n);
+            adam_rule(xs, gs, s0, s1, h, it->step_size, it->inv_bc2, n);
             if (bf16_state) {
                 fill_noise(h->key_s0, index, n, n0);
                 fill_noise(h->key_s1, index, n, n1);
@@ -659,4 +667,466 @@ MP_CLONES static void noise_into(uint16_t *out, int64_t n, uint64_t key, int64_t
 
 void mp_noise(uint16_t *out, int64_t n, uint64_t key, int64_t index) {
     noise_into(out, n, key, index);
+}
+
+/* ------------------------------------------------------------------ largest magnitude */
+
+typedef struct {
+    const uint64_t *src;
+    const int32_t *dt;
+    const int64_t *starts;
+    int64_t count;
+    uint32_t partial[MP_MAX_THREADS];
+} maxabs_ctx;
+
+/* The largest |v| as the bits of a non-negative float32 (whose order is the bits' order; a
+ * NaN's bits are above +inf's), in 16 lanes. */
+MP_CLONES static void maxabs_range(void *arg, int64_t lo, int64_t hi, int tid) {
+    maxabs_ctx *c = (maxabs_ctx *)arg;
+    uint32_t acc[16];
+    for (int k = 0; k < 16; k++) acc[k] = 0;
+    for (int64_t item = first_item(c->starts, c->count, lo);
+         item < c->count && c->starts[item] < hi; item++) {
+        int64_t a = lo > c->starts[item] ? lo - c->starts[item] : 0;
+        int64_t b = (hi < c->starts[item + 1] ? hi : c->starts[item + 1]) - c->starts[item];
+        if (c->dt[item] == MP_BF16) {
+            const uint16_t *restrict v = (const uint16_t *)(uintptr_t)c->src[item];
+            for (int64_t j = a; j < b; j++) {
+                uint32_t u = (uint32_t)(v[j] & 0x7FFFu) << 16;
+                acc[j & 15] = acc[j & 15] > u ? acc[j & 15] : u;
+            }
+        } else {
+            const uint32_t *restrict v = (const uint32_t *)(uintptr_t)c->src[item];
+            int64_t j = a;
+            for (; j + 16 <= b; j += 16)
+                for (int k = 0; k < 16; k++) {
+                    uint32_t u = v[j + k] & 0x7FFFFFFFu;
+                    acc[k] = acc[k] > u ? acc[k] : u;
+                }
+            for (; j < b; j++) {
+                uint32_t u = v[j] & 0x7FFFFFFFu;
+                acc[0] = acc[0] > u ? acc[0] : u;
+            }
+        }
+    }
+    uint32_t m = 0;
+    for (int k = 0; k < 16; k++) m = m > acc[k] ? m : acc[k];
+    c->partial[tid] = m;
+}
+
+/* The largest |v| over `count` float32 or bfloat16 tensors (dtype codes dt; tensor k is
+ * elements starts[k] .. starts[k + 1] - 1 of their virtual concatenation): NaN where one
+ * holds a NaN, +inf where one holds an infinity, 0 for none. */
+float mp_maxabs(int64_t count, const uint64_t *src, const int32_t *dt, const int64_t *starts,
+                int32_t threads) {
+    maxabs_ctx c;
+    memset(&c, 0, sizeof(c));
+    c.src = src;
+    c.dt = dt;
+    c.starts = starts;
+    c.count = count;
+    if (count <= 0 || starts[count] == 0) return 0.0f;
+    int used = parallel(starts[count], threads, 1 << 18, maxabs_range, &c);
+    uint32_t m = 0;
+    for (int t = 0; t < used; t++) m = m > c.partial[t] ? m : c.partial[t];
+    return bits_to_f32(m);
+}
+
+/* ------------------------------------------------------------------ low-bit state */
+
+/* The block-wise codec of mixprec.numerics.lowbit, code for code the torch twin's
+ * (mixprec_torch.lowbit.codec): per block of `block` elements a = max |x| (NaN where the
+ * block holds one), n = x / a (a true float32 division; a divides only where a > 0, else 1),
+ * code = #{mids < n} (NaN: all of them, as torch.searchsorted has it), decoded as
+ * values[code] * a; 4-bit codes two a byte, the even element in the low nibble, a zero
+ * nibble after an odd last element.
+ *
+ * The search. A binary search over 255 midpoints is eight dependent loads an element, the
+ * slowest part of a step by far; instead each float32 n maps to a 32-bit key that orders as
+ * the floats do (-0 made +0 first, as the comparison sees them equal), and an index of 65536
+ * entries, built from the midpoints (mp_lowbit_index), answers for every value of the key's
+ * upper 16 bits: how many midpoints lie below that bucket, and the low 16 bits of the key of
+ * the one midpoint inside it (if any). A bucket holding two midpoints or more, or NaN, is
+ * marked, and its elements take the binary search: every answer is the search's. */
+
+typedef struct {
+    const float *values;    /* 2^bits decoded values: the map, padded with NaN */
+    const float *mids;      /* the map's nmids midpoints, ascending */
+    const uint32_t *index;  /* 65536 entries, from mp_lowbit_index */
+    int32_t nmids;          /* at most 2^bits - 1 */
+    int32_t bits;           /* 8, or 4 (two codes a byte) */
+} mp_map;
+
+#define MP_SLOW 0x100u      /* an index entry whose bucket needs the binary search */
+#define MP_NO_MID 0xFFFF0000u
+
+MP_INLINE uint32_t order_key(float n) {
+    uint32_t u = f32_to_bits(n + 0.0f); /* -0 + 0 = +0 */
+    return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+}
+
+/* #{mids < n}; NaN above every midpoint */
+static uint32_t code_search(const mp_map *m, float n) {
+    if (n != n) return (uint32_t)m->nmids;
+    int32_t lo = 0, hi = m->nmids;
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (m->mids[mid] < n)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return (uint32_t)lo;
+}
+
+/* The index of the midpoints (ascending, finite, at most 255; see the section's comment). */
+void mp_lowbit_index(const float *mids, int32_t nmids, uint32_t *index) {
+    int32_t j = 0;
+    for (uint32_t b = 0; b < 65536u; b++) {
+        uint32_t first = b << 16;
+        while (j < nmids && order_key(mids[j]) < first) j++;
+        int32_t inside = 0;
+        while (j + inside < nmids && (order_key(mids[j + inside]) >> 16) == b) inside++;
+        /* NaN keys: above +inf (0xFF800000) and below -inf (0x007FFFFF) */
+        int nan = b >= 0xFF80u || b <= 0x007Fu;
+        if (inside > 1 || nan)
+            index[b] = (uint32_t)j | MP_SLOW;
+        else if (inside == 1)
+            index[b] = (uint32_t)j | (order_key(mids[j]) << 16);
+        else
+            index[b] = (uint32_t)j | MP_NO_MID;
+    }
+}
+
+/* The largest |v| of a block as the bits of a non-negative float32, in 16 lanes: the bits of
+ * non-negative floats order as their values, a NaN's above +inf's, so this is the twin's amax
+ * where the block is finite, +inf where its worst is an infinity, a NaN where it holds one. */
+MP_INLINE uint32_t block_top(const float *restrict v, int64_t len) {
+    uint32_t acc[16];
+    for (int k = 0; k < 16; k++) acc[k] = 0;
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16)
+        for (int k = 0; k < 16; k++) {
+            uint32_t u = f32_to_bits(v[j + k]) & 0x7FFFFFFFu;
+            acc[k] = acc[k] > u ? acc[k] : u;
+        }
+    for (; j < len; j++) {
+        uint32_t u = f32_to_bits(v[j]) & 0x7FFFFFFFu;
+        acc[0] = acc[0] > u ? acc[0] : u;
+    }
+    uint32_t top = 0;
+    for (int k = 0; k < 16; k++) top = top > acc[k] ? top : acc[k];
+    return top;
+}
+
+/* The scratch of one block's encoding (len <= block entries each). */
+typedef struct {
+    uint32_t *keys;
+    uint32_t *entries;
+    uint8_t *codes;
+} mp_encode_scratch;
+
+/* Encode the len values v of one block: its absmax into *absmax and its codes into out (the
+ * block's first byte). Returns 1 where the absmax is not finite; then, with `keep`, writes
+ * nothing. Three loops that vectorise around one of table loads (the index), and the binary
+ * search for the rare element whose bucket holds two midpoints or more. */
+MP_INLINE int encode_block(const mp_map *m, const float *restrict v, mp_encode_scratch *s,
+                           int64_t len, uint8_t *restrict out, float *absmax, int keep) {
+    uint32_t top = block_top(v, len);
+    int bad = top >= 0x7F800000u;
+    if (bad && keep) return 1;
+    const float a = bits_to_f32(top);
+    *absmax = a;
+    const float d = a > 0.0f ? a : 1.0f; /* NaN or 0: divide by 1, as the twin does */
+    uint32_t *restrict keys = s->keys;
+    uint32_t *restrict entries = s->entries;
+    const uint32_t *restrict index = m->index;
+    for (int64_t j = 0; j < len; j++) keys[j] = order_key(v[j] / d);
+    for (int64_t j = 0; j < len; j++) entries[j] = index[keys[j] >> 16];
+    uint8_t *restrict c = m->bits == 4 ? s->codes : out;
+    uint32_t slow = 0;
+    for (int64_t j = 0; j < len; j++) {
+        uint32_t e = entries[j];
+        c[j] = (uint8_t)((e & 0xFFu) + ((keys[j] & 0xFFFFu) > (e >> 16)));
+        slow |= e;
+    }
+    if (__builtin_expect((slow & MP_SLOW) != 0, 0))
+        for (int64_t j = 0; j < len; j++)
+            if (entries[j] & MP_SLOW) c[j] = (uint8_t)code_search(m, v[j] / d);
+    if (m->bits == 4) {
+        const uint8_t *restrict codes = s->codes;
+        int64_t pairs = len / 2;
+        for (int64_t j = 0; j < pairs; j++)
+            out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+        if (len & 1) out[pairs] = codes[len - 1];
+    }
+    return bad;
+}
+
+/* Scratch for blocks of `block` elements: one allocation (free s->keys), NULL on failure. */
+static int encode_scratch(mp_encode_scratch *s, int64_t block, int64_t floats, float **extra) {
+    size_t words = (size_t)block * (size_t)(2 + floats);
+    uint32_t *buf = (uint32_t *)malloc(words * sizeof(uint32_t) + (size_t)block);
+    if (buf == NULL) return 0;
+    s->keys = buf;
+    s->entries = buf + block;
+    s->codes = (uint8_t *)(buf + words);
+    if (extra != NULL) *extra = (float *)(buf + 2 * block);
+    return 1;
+}
+
+/* values[code] * a for the len elements of one block (codes: the block's first byte) */
+MP_INLINE void decode_block(const mp_map *m, const uint8_t *restrict codes, float a,
+                            float *restrict out, int64_t len) {
+    const float *restrict values = m->values;
+    if (m->bits == 4) {
+        int64_t pairs = len / 2;
+        for (int64_t j = 0; j < pairs; j++) {
+            uint32_t byte = codes[j];
+            out[2 * j] = values[byte & 15u] * a;
+            out[2 * j + 1] = values[byte >> 4] * a;
+        }
+        if (len & 1) out[len - 1] = values[codes[pairs] & 15u] * a;
+    } else {
+        for (int64_t j = 0; j < len; j++) out[j] = values[codes[j]] * a;
+    }
+}
+
+MP_INLINE int64_t code_offset(const mp_map *m, int64_t element) {
+    return m->bits == 4 ? element >> 1 : element;
+}
+
+typedef struct {
+    const float *x;
+    uint8_t *codes;
+    float *absmax;
+    const mp_map *m;
+    int64_t n, block;
+    int64_t bad[MP_MAX_THREADS];
+    int32_t failed;
+} codec_ctx;
+
+MP_CLONES static void quantize_range(void *arg, int64_t lo, int64_t hi, int tid) {
+    codec_ctx *c = (codec_ctx *)arg;
+    int64_t block = c->block, bad = 0;
+    mp_encode_scratch s;
+    if (!encode_scratch(&s, block, 0, NULL)) {
+        c->failed = 1;
+        c->bad[tid] = 0;
+        return;
+    }
+    for (int64_t k = lo; k < hi; k++) {
+        int64_t first = k * block;
+        int64_t len = c->n - first < block ? c->n - first : block;
+        bad += encode_block(c->m, c->x + first, &s, len, c->codes + code_offset(c->m, first),
+                            c->absmax + k, 0);
+    }
+    free(s.keys);
+    c->bad[tid] = bad;
+}
+
+static int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+static int64_t min_blocks(int64_t block) {
+    int64_t each = (1 << 16) / block;
+    return each > 0 ? each : 1;
+}
+
+/* Codes and absmax of the n float32 values x in blocks of `block` (codes: code_count bytes,
+ * absmax: one float per block). Returns how many blocks have an absmax that is not finite,
+ * or -1 where no scratch memory could be had. */
+int64_t mp_lowbit_quantize(const float *x, int64_t n, int64_t block, const mp_map *m,
+                           uint8_t *codes, float *absmax, int32_t threads) {
+    codec_ctx c;
+    memset(&c, 0, sizeof(c));
+    c.x = x;
+    c.codes = codes;
+    c.absmax = absmax;
+    c.m = m;
+    c.n = n;
+    c.block = block;
+    if (n <= 0) return 0;
+    int used = parallel(blocks_of(n, block), threads, min_blocks(block), quantize_range, &c);
+    if (c.failed) return -1;
+    int64_t bad = 0;
+    for (int t = 0; t < used; t++) bad += c.bad[t];
+    return bad;
+}
+
+typedef struct {
+    const uint8_t *codes;
+    const float *absmax;
+    float *out;
+    const mp_map *m;
+    int64_t n, block;
+} decode_ctx;
+
+MP_CLONES static void dequantize_range(void *arg, int64_t lo, int64_t hi, int tid) {
+    decode_ctx *c = (decode_ctx *)arg;
+    (void)tid;
+    for (int64_t k = lo; k < hi; k++) {
+        int64_t first = k * c->block;
+        int64_t len = c->n - first < c->block ? c->n - first : c->block;
+        decode_block(c->m, c->codes + code_offset(c->m, first), c->absmax[k], c->out + first,
+                     len);
+    }
+}
+
+/* The n float32 values that codes and absmax stand for, into out. */
+void mp_lowbit_dequantize(const uint8_t *codes, const float *absmax, int64_t n, int64_t block,
+                          const mp_map *m, float *out, int32_t threads) {
+    decode_ctx c = {codes, absmax, out, m, n, block};
+    if (n <= 0) return;
+    parallel(blocks_of(n, block), threads, min_blocks(block), dequantize_range, &c);
+}
+
+/* The fused update of float32 weights whose optimizer state is kept low-bit: per block,
+ * decode the state, apply the update rule (as mp_update's, float32 weights), write the weight
+ * and encode the block's new state (its absmax over the new values, then the codes). The new
+ * codes and absmax may be the old ones' memory (a block is decoded before it is encoded). A
+ * block whose new state is not finite keeps its codes and absmax (the caller's bounds make
+ * that impossible: see mixprec_torch.lowbit.fused_step). s0 is SGD's momentum buffer or
+ * Adam's exp_avg (the signed map), s1 Adam's exp_avg_sq (the unsigned map). */
+typedef struct {
+    const uint64_t *w, *g;      /* float32 weight (updated in place), gradient */
+    const uint64_t *c0, *a0;    /* s0's codes and absmax (0: none yet: zeros; SGD: the grad) */
+    const uint64_t *c1, *a1;
+    const uint64_t *o0, *b0;    /* s0's new codes and absmax (0: no s0, SGD without momentum) */
+    const uint64_t *o1, *b1;
+    const int64_t *starts;      /* running element counts */
+    const int64_t *bstarts;     /* running block counts */
+    const float *step_size, *inv_bc2;
+    const int32_t *gdt;
+    int32_t *bad;               /* per tensor: bit 0 s0, bit 1 s1 has a non-finite block */
+} mp_lowbit_items;
+
+typedef struct {
+    const mp_lowbit_items *items;
+    int64_t count, block;
+    const mp_hyper *h;
+    const mp_map *m0, *m1;
+    int64_t bad[MP_MAX_THREADS];
+    int32_t failed;
+} lowbit_ctx;
+
+typedef struct {
+    float *s0, *s1, *g;
+    mp_encode_scratch enc;
+} lowbit_scratch;
+
+MP_INLINE int lowbit_block(const lowbit_ctx *c, int64_t item, int64_t k, lowbit_scratch *s) {
+    const mp_lowbit_items *t = c->items;
+    const mp_hyper *h = c->h;
+    const mp_map *m0 = c->m0, *m1 = c->m1;
+    int64_t n = t->starts[item + 1] - t->starts[item];
+    int64_t first = k * c->block;
+    int64_t len = n - first < c->block ? n - first : c->block;
+    float *restrict x = (float *)(uintptr_t)t->w[item] + first;
+    const void *g = (const void *)(uintptr_t)t->g[item];
+    const uint8_t *c0 = (const uint8_t *)(uintptr_t)t->c0[item];
+    const uint8_t *c1 = (const uint8_t *)(uintptr_t)t->c1[item];
+    uint8_t *o0 = (uint8_t *)(uintptr_t)t->o0[item];
+    uint8_t *o1 = (uint8_t *)(uintptr_t)t->o1[item];
+    float *s0 = s->s0, *s1 = s->s1, *gs = s->g;
+    int bad = 0;
+    /* the weight and gradient two blocks ahead: their first touch stalled this pass */
+    if (first + 3 * c->block <= n) {
+        const char *px = (const char *)(x + 2 * c->block);
+        int64_t size = t->gdt[item] == MP_BF16 ? 2 : 4;
+        const char *pg = (const char *)g + (first + 2 * c->block) * size;
+        for (int64_t o = 0; o < c->block * 4; o += 64) {
+            __builtin_prefetch(px + o, 1);
+            __builtin_prefetch(pg + o, 0);
+        }
+    }
+    if (t->gdt[item] == MP_BF16)
+        widen(gs, (const uint16_t *)g + first, MP_BF16, len);
+    else
+        widen(gs, (const float *)g + first, MP_F32, len);
+    if (h->maximize) negate(gs, len);
+    if (h->algo == MP_ADAM) {
+        if (h->weight_decay != 0.0f) {
+            if (h->decoupled)
+                scale(x, h->decay_mul, len);
+            else
+                decay_grad(gs, x, h->weight_decay, len);
+        }
+        if (c0 != NULL) {
+            const float a0 = ((const float *)(uintptr_t)t->a0[item])[k];
+            const float a1 = ((const float *)(uintptr_t)t->a1[item])[k];
+            decode_block(m0, c0 + code_offset(m0, first), a0, s0, len);
+            decode_block(m1, c1 + code_offset(m1, first), a1, s1, len);
+        } else {
+            memset(s0, 0, (size_t)len * sizeof(float));
+            memset(s1, 0, (size_t)len * sizeof(float));
+        }
+        adam_rule(x, gs, s0, s1, h, t->step_size[item], t->inv_bc2[item], len);
+        bad |= encode_block(m0, s0, &s->enc, len, o0 + code_offset(m0, first),
+                            (float *)(uintptr_t)t->b0[item] + k, 1);
+        bad |= encode_block(m1, s1, &s->enc, len, o1 + code_offset(m1, first),
+                            (float *)(uintptr_t)t->b1[item] + k, 1) << 1;
+    } else {
+        if (h->weight_decay != 0.0f) decay_grad(gs, x, h->weight_decay, len);
+        if (o0 != NULL) {
+            if (c0 != NULL)
+                decode_block(m0, c0 + code_offset(m0, first),
+                             ((const float *)(uintptr_t)t->a0[item])[k], s0, len);
+            momentum_rule(gs, s0, h, c0 == NULL, len);
+            bad |= encode_block(m0, s0, &s->enc, len, o0 + code_offset(m0, first),
+                                (float *)(uintptr_t)t->b0[item] + k, 1);
+        }
+        sgd_rule(x, gs, h->lr, len);
+    }
+    return bad;
+}
+
+MP_CLONES static void lowbit_range(void *arg, int64_t lo, int64_t hi, int tid) {
+    lowbit_ctx *c = (lowbit_ctx *)arg;
+    const mp_lowbit_items *t = c->items;
+    int64_t block = c->block, bad = 0;
+    lowbit_scratch s;
+    float *floats = NULL;
+    if (!encode_scratch(&s.enc, block, 3, &floats)) {
+        c->failed = 1;
+        c->bad[tid] = 0;
+        return;
+    }
+    s.s0 = floats;
+    s.s1 = floats + block;
+    s.g = floats + 2 * block;
+    for (int64_t item = first_item(t->bstarts, c->count, lo);
+         item < c->count && t->bstarts[item] < hi; item++) {
+        int64_t a = lo > t->bstarts[item] ? lo - t->bstarts[item] : 0;
+        int64_t b = (hi < t->bstarts[item + 1] ? hi : t->bstarts[item + 1]) - t->bstarts[item];
+        int flags = 0;
+        for (int64_t k = a; k < b; k++) {
+            int found = lowbit_block(c, item, k, &s);
+            bad += found != 0;
+            flags |= found;
+        }
+        if (flags) __atomic_fetch_or(&t->bad[item], flags, __ATOMIC_RELAXED);
+    }
+    free(s.enc.keys);
+    c->bad[tid] = bad;
+}
+
+/* One fused low-bit update over `count` tensors (blocks of `block` elements, the signed map
+ * m0 for s0, the unsigned m1 for s1). Returns the number of blocks whose new state is not
+ * finite (bad says which tensors), or -1 where no scratch memory could be had. */
+int64_t mp_lowbit_update(int64_t count, const mp_lowbit_items *items, const mp_hyper *h,
+                         const mp_map *m0, const mp_map *m1, int64_t block, int32_t threads) {
+    lowbit_ctx c;
+    memset(&c, 0, sizeof(c));
+    c.items = items;
+    c.count = count;
+    c.block = block;
+    c.h = h;
+    c.m0 = m0;
+    c.m1 = m1;
+    if (count <= 0 || items->bstarts[count] == 0) return 0;
+    int used = parallel(items->bstarts[count], threads, min_blocks(block), lowbit_range, &c);
+    if (c.failed) return -1;
+    int64_t bad = 0;
+    for (int t = 0; t < used; t++) bad += c.bad[t];
+    return bad;
 }

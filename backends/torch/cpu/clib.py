@@ -9,7 +9,11 @@ Three hot paths of a step have no single torch operation on the CPU:
 - the fused update of compensated bfloat16 weights (:func:`update`, used by
   :mod:`mixprec_torch.compensated.fused_update`): one pass per tensor over weight, compensation,
   gradient and optimizer state;
-- stochastic rounding with counter-based noise (:func:`round_stochastic`, :func:`noise`).
+- stochastic rounding with counter-based noise (:func:`round_stochastic`, :func:`noise`);
+- the low-bit optimizer state's block-wise codec (:func:`lowbit_quantize`,
+  :func:`lowbit_dequantize`: a binary search over 255 midpoints per element is no torch
+  operation that runs fast) and its fused update (:func:`lowbit_update`, used by
+  :mod:`mixprec_torch.lowbit.fused_step`): decode a block, update, encode it, one pass.
 
 **Where the library comes from.** It is built with the package (``setup.py``: the wheel
 carries it, ``pip install -e .`` builds it in place) with fixed flags, the ISA of its hot loops
@@ -40,11 +44,18 @@ __all__ = [
     "Hyper",
     "Items",
     "KernelInfo",
+    "LowbitItems",
+    "LowbitMap",
     "NativeKernelsWarning",
     "backend_notes",
     "guard_pass",
     "info",
     "library",
+    "lowbit_dequantize",
+    "lowbit_index",
+    "lowbit_quantize",
+    "lowbit_update",
+    "max_abs",
     "noise",
     "round_stochastic",
     "status",
@@ -102,6 +113,30 @@ class Hyper(ctypes.Structure):
         ("key_s0", ctypes.c_uint64),
         ("key_s1", ctypes.c_uint64),
     ]
+
+
+class LowbitMap(ctypes.Structure):
+    """``mp_map``: one low-bit map as the codec reads it (addresses of float32 tensors the
+    caller keeps alive: the values padded to ``2**bits`` with NaN, the midpoints, and their
+    index from :func:`lowbit_index`)."""
+
+    _fields_ = [
+        ("values", ctypes.c_void_p),
+        ("mids", ctypes.c_void_p),
+        ("index", ctypes.c_void_p),
+        ("nmids", ctypes.c_int32),
+        ("bits", ctypes.c_int32),
+    ]
+
+
+_LOWBIT_FIELDS: tuple[str, ...] = ("w", "g", "c0", "a0", "c1", "a1", "o0", "b0", "o1", "b1")
+_LOWBIT_FIELDS += ("starts", "bstarts", "step_size", "inv_bc2", "gdt", "bad")
+
+
+class LowbitItems(ctypes.Structure):
+    """``mp_lowbit_items``: the tensors of one fused low-bit update, as parallel arrays."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in _LOWBIT_FIELDS]
 
 
 def _ask() -> KernelInfo:
@@ -201,6 +236,102 @@ def round_stochastic(lib: ctypes.CDLL, work: torch.Tensor, key: int, index: int)
     """Round the contiguous float32 ``work`` stochastically onto the bfloat16 grid, in place,
     with the noise of elements ``index ..`` under ``key``."""
     lib.mp_round_sr(work.data_ptr(), work.numel(), key, index, _threads())
+
+
+def lowbit_index(lib: ctypes.CDLL, mids: torch.Tensor) -> torch.Tensor:
+    """The 65536-entry search index of a map's contiguous float32 midpoints (int32; see
+    ``mp_lowbit_index``): what :class:`LowbitMap` points to."""
+    index = torch.empty(1 << 16, dtype=torch.int32)
+    lib.mp_lowbit_index(mids.data_ptr(), mids.numel(), index.data_ptr())
+    return index
+
+
+def _scratch_failed(result: int) -> int:
+    if result < 0:
+        raise MemoryError("mixprec's CPU kernels could not allocate their scratch memory")
+    return result
+
+
+def lowbit_quantize(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    block: int,
+    table: LowbitMap,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+) -> int:
+    """Encode the contiguous float32 ``x`` (flat order) into ``codes`` (uint8) and ``absmax``
+    (float32, one per block); returns how many blocks have an absmax that is not finite."""
+    return _scratch_failed(
+        lib.mp_lowbit_quantize(
+            x.data_ptr(),
+            x.numel(),
+            block,
+            ctypes.addressof(table),
+            codes.data_ptr(),
+            absmax.data_ptr(),
+            _threads(),
+        )
+    )
+
+
+def lowbit_dequantize(
+    lib: ctypes.CDLL,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    block: int,
+    table: LowbitMap,
+    out: torch.Tensor,
+) -> None:
+    """Decode contiguous ``codes`` and ``absmax`` into the contiguous float32 ``out``."""
+    lib.mp_lowbit_dequantize(
+        codes.data_ptr(),
+        absmax.data_ptr(),
+        out.numel(),
+        block,
+        ctypes.addressof(table),
+        out.data_ptr(),
+        _threads(),
+    )
+
+
+def lowbit_update(
+    lib: ctypes.CDLL,
+    count: int,
+    items: LowbitItems,
+    hyper: Hyper,
+    signed: LowbitMap,
+    unsigned: LowbitMap,
+    block: int,
+) -> int:
+    """One fused low-bit update over ``count`` tensors (see ``mp_lowbit_update``); returns
+    how many blocks of new state are not finite (``items.bad`` says which tensors)."""
+    return _scratch_failed(
+        lib.mp_lowbit_update(
+            count,
+            ctypes.addressof(items),
+            ctypes.addressof(hyper),
+            ctypes.addressof(signed),
+            ctypes.addressof(unsigned),
+            block,
+            _threads(),
+        )
+    )
+
+
+def max_abs(lib: ctypes.CDLL, tensors: list[torch.Tensor]) -> float:
+    """The largest magnitude over contiguous float32/bfloat16 CPU ``tensors`` (NaN where one
+    holds a NaN, inf where one holds an infinity; 0 for none)."""
+    starts = array.array("q", [0])
+    for t in tensors:
+        starts.append(starts[-1] + t.numel())
+    sources = array.array("Q", [t.data_ptr() for t in tensors])
+    dtypes = array.array("i", [DTYPE_CODES[t.dtype] for t in tensors])
+    return float(
+        lib.mp_maxabs(
+            len(tensors), _address(sources), _address(dtypes), _address(starts), _threads()
+        )
+    )
 
 
 def noise(lib: ctypes.CDLL, key: int, index: int, count: int) -> torch.Tensor:

@@ -60,6 +60,11 @@ SYMBOLS = (
     "mp_update",
     "mp_round_sr",
     "mp_noise",
+    "mp_lowbit_index",
+    "mp_lowbit_quantize",
+    "mp_lowbit_dequantize",
+    "mp_lowbit_update",
+    "mp_maxabs",
 )
 
 _ABI = re.compile(rb"^#define MP_ABI (\d+)\s*$", re.M)

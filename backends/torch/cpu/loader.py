@@ -146,6 +146,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mp_round_sr.restype = None
     lib.mp_noise.argtypes = [p, i64, u64, i64]
     lib.mp_noise.restype = None
+    lib.mp_lowbit_index.argtypes = [p, i32, p]
+    lib.mp_lowbit_index.restype = None
+    lib.mp_lowbit_quantize.argtypes = [p, i64, i64, p, p, p, i32]
+    lib.mp_lowbit_quantize.restype = i64
+    lib.mp_lowbit_dequantize.argtypes = [p, p, i64, i64, p, p, i32]
+    lib.mp_lowbit_dequantize.restype = None
+    lib.mp_lowbit_update.argtypes = [i64, p, p, p, p, i64, i32]
+    lib.mp_lowbit_update.restype = i64
+    lib.mp_maxabs.argtypes = [i64, p, p, p, i32]
+    lib.mp_maxabs.restype = f32
 
 
 #: The descriptors of the libraries loaded through ``/proc/self/fd``, kept open (close on

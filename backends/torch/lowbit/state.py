@@ -21,6 +21,12 @@ absmax is finite (a non-finite moment would decode as garbage): if one is not, t
 keeps the codes it had before this step and :class:`~mixprec.errors.PolicyError` names the
 tensor. A skipped step never reaches either, so its quantized state stays bit for bit.
 
+On the CPU, for torch's SGD, Adam and AdamW over float32 weights, :meth:`LowBitState.step_fused`
+replaces the three (:mod:`.fused_step`: one pass per tensor, no float32 copy of the state; a
+step whose moments could become inf or NaN is left to them, and so to the same refusal); the
+codec itself runs in the C kernels there (:mod:`.codec`), which count the non-finite blocks
+in the same pass.
+
 Loading (:meth:`LowBitState.check_state_dict` before anything changes, then
 :meth:`LowBitState.adopt`): codes written under another format or block size are refused;
 a float32 state (a checkpoint of an unwrapped optimizer, or of ``state=None``) is quantized
@@ -31,22 +37,30 @@ is the way back out: an optimizer state dict with every quantized tensor decoded
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, TypeGuard
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeGuard, TypeVar, cast
 
 import torch
 
 from mixprec.errors import CheckpointError, PolicyError, WrapError
-from mixprec.kit import LOWBIT_FORMATS, SIGNED_KEYS, UNSIGNED_KEYS, StateFormat
+from mixprec.kit import LOWBIT_FORMATS, SIGNED_KEYS, UNSIGNED_KEYS, StateFormat, state_map
 
-from .codec import code_count, dequantize, quantize
+from ..torch_private import run_step_hooks
+from . import fused_step
+from .codec import code_count, dequantize, encode, quantize
+from .fused_step import FORMAT_KEY
+from .fused_step import SUFFIX as _SUFFIX
 
 __all__ = ["FORMAT_KEY", "LowBitState", "float32_state_dict", "supported_optimizer"]
-
-FORMAT_KEY = "mixprec.state"
-_SUFFIX = ".absmax"
 _KEYS = {**{k: True for k in SIGNED_KEYS}, **{k: False for k in UNSIGNED_KEYS}}
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eagerly(fn: _F) -> _F:
+    """``fn`` run eagerly (a graph break) when a compiled step calls it: the fused step calls
+    native code."""
+    return cast(_F, torch.compiler.disable(fn, reason="mixprec: the fused low-bit step"))
 
 
 def _tag(fmt: StateFormat) -> tuple[int, int]:
@@ -136,6 +150,7 @@ class LowBitState:
             the step (codes and absmax).
         """
         encoded: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        finite: list[bool | torch.Tensor] = []  # per tensor: from the kernels' pass, or lazy
         with torch.no_grad():
             for param in self._params(optimizer):
                 state = optimizer.state.get(param)
@@ -145,14 +160,14 @@ class LowBitState:
                     value = state.get(key)
                     if not _is_moment(value, param):
                         continue
-                    codes, scale = quantize(value.detach().float(), self.fmt, signed)
+                    codes, scale, ok = encode(value.detach().float(), self.fmt, signed)
                     encoded.append((state, key, codes, scale))
+                    finite.append(ok)
             held, self._held = self._held, []
             if not encoded:
                 return
-            finite = torch.stack([torch.isfinite(s).all() for *_, s in encoded]).all()
-            if not bool(finite):
-                bad = next(i for i, e in enumerate(encoded) if not torch.isfinite(e[3]).all())
+            if not _all_true(finite):
+                bad = next(i for i, ok in enumerate(finite) if not bool(ok))
                 for state, key, codes, scale in held:  # the state as it was before the step
                     state[key] = codes
                     state[key + _SUFFIX] = scale
@@ -162,6 +177,27 @@ class LowBitState:
             state[key] = codes
             state[key + _SUFFIX] = scale
             state[FORMAT_KEY] = self.tag
+
+    @_eagerly
+    def step_fused(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The whole update in one pass per tensor (:mod:`.fused_step`), in place of
+        :meth:`widen`, the optimizer's own ``step`` (its hooks run around it as around that
+        step) and :meth:`narrow`; False, with nothing changed, where the optimizer, its
+        options, parameters or state do not qualify, or where a new moment could become inf
+        or NaN (the caller takes the generic path, whose :meth:`narrow` refuses it).
+
+        :raises PolicyError: a new moment is not finite all the same (the plan's bounds rule
+            it out); its non-finite blocks keep their codes.
+        """
+        plan = fused_step.plan(optimizer, self.fmt, self.tag, self._quantized)
+        if plan is None:
+            return False
+        failed: fused_step.Moment | None = run_step_hooks(
+            optimizer, lambda: fused_step.run(optimizer, plan)
+        )
+        if failed is not None:
+            raise self._non_finite(optimizer, failed.state, failed.key)
+        return True
 
     def _non_finite(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any], key: str
@@ -199,13 +235,14 @@ class LowBitState:
                     f"the optimizer checkpoint's {where} was quantized as {_shown(tag)}, but "
                     f"this optimizer keeps its state as {_shown(self.tag)} (policy "
                     f"state={self.fmt}). "
-                    "Wrap with the checkpoint's state format, or convert the checkpoint with "
-                    "mixprec.torch.float32_state_dict(state_dict) first: a float32 state "
+                    "Wrap with the checkpoint's state format, or convert the checkpoint: load "
+                    "it into an optimizer wrapped with its format and save "
+                    "mixprec.torch.float32_state_dict(optimizer), a float32 state that "
                     "loads under any format"
                 )
             if param is None:
                 continue
-            for key in _KEYS:
+            for key, signed in _KEYS.items():
                 codes, scale = entry.get(key), entry.get(key + _SUFFIX)
                 if codes is None and scale is None:
                     continue
@@ -228,6 +265,14 @@ class LowBitState:
                     raise CheckpointError(
                         f"the optimizer checkpoint's {where} {key}.absmax holds inf, NaN or a "
                         "negative scale; the checkpoint is damaged. Load an earlier one"
+                    )
+                largest = _largest_code(codes, self.fmt)
+                size = len(state_map(self.fmt.name, signed).values)
+                if largest >= size:
+                    raise CheckpointError(
+                        f"the optimizer checkpoint's {where} {key} holds code {largest}, beyond "
+                        f"the {size} values of {self.fmt.name}'s map; the checkpoint is damaged. "
+                        "Load an earlier one"
                     )
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
@@ -278,6 +323,24 @@ class LowBitState:
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     total += value.numel() * value.element_size()
         return total, params
+
+
+def _all_true(flags: list[bool | torch.Tensor]) -> bool:
+    """Whether every flag holds: the kernels' bools at once, the twin's device flags with
+    one sync for all."""
+    if not all(f for f in flags if isinstance(f, bool)):
+        return False
+    lazy = [f for f in flags if isinstance(f, torch.Tensor)]
+    return not lazy or bool(torch.stack(lazy).all())
+
+
+def _largest_code(codes: torch.Tensor, fmt: StateFormat) -> int:
+    """The largest code in ``codes`` (each nibble for 4 bits), 0 for none."""
+    if not codes.numel():
+        return 0
+    if fmt.bits == 4:
+        return int(torch.maximum(codes & 15, codes >> 4).max())
+    return int(codes.max())
 
 
 def _is_moment(value: object, param: torch.Tensor) -> TypeGuard[torch.Tensor]:

@@ -513,6 +513,11 @@ def _update(
     if compensation is None:
         if lay.params:  # weights written since the last master copy (weight surgery)
             refresh_edited_masters(st.group, lay)
+        if lowbit is not None and closure is None and lowbit.step_fused(optimizer):
+            # one pass per tensor: decode, update, encode (torch's SGD/Adam/AdamW, CPU)
+            if lay.params:
+                copy_masters_to_model(st, optimizer, lay)
+            return
     elif lowbit is None and _fused(st, optimizer, lay):
         # one pass per tensor, no float32 working masters (torch's SGD/Adam/AdamW)
         grads_cast = st.iteration.grads_cast
