@@ -89,6 +89,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     policy = get_policy(args.policy)
     inputs = tuple(args.inputs) if args.inputs else ()
     print(policy.explain(args.op, inputs, module=args.module, module_class=args.module_class))
+    if policy.state is not None:  # not an op's business, but part of what the policy keeps
+        print(f"Optimizer state: {policy.describe_state()}")
     if args.backend:
         caps = load_backend(args.backend).capabilities()
         entry = caps.unseen(args.op)

@@ -329,3 +329,15 @@ def test_ctrl_c_in_any_command_exits_130_with_one_line(
     monkeypatch.setattr(cli, "_cmd_policies", interrupted)
     assert main(["policies"]) == 130
     assert capsys.readouterr().err == "mixprec: interrupted\n"
+
+
+def test_explain_names_a_low_bit_optimizer_state(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "O2-bf16,state=int4(block=64)", "linear"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == (
+        "Optimizer state: int4 between steps (4-bit dynamic map, zero-free power-of-two map "
+        "for the second moment, one float32 absmax per 64 elements; tensors under 4096 "
+        "elements float32), float32 inside step()"
+    )
+    assert main(["explain", "O2-bf16", "linear"]) == 0
+    assert "Optimizer state" not in capsys.readouterr().out
