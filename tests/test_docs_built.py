@@ -253,6 +253,19 @@ def test_code_blocks_wrap_where_a_long_line_would_scroll(site: Path) -> None:
     assert len(pages) == len(list(site.rglob("*.html")))  # every page links the stylesheet
 
 
+def test_long_pages_have_a_table_of_contents(site: Path, pages: dict[str, Page]) -> None:
+    """A page longer than three screens (about 150 lines of text at 1280 px) lists its
+    sections in the theme's table of contents, beside the page from 1220 px up."""
+    long = {name: page for name, page in pages.items() if len("".join(page.prose)) > 12_000}
+    assert len(long) >= 8  # the guide, the policies, the errors, the benchmarks...
+    for name in long:
+        html = (site / name).read_text(encoding="utf-8")
+        toc = html.split('aria-label="Table of contents"', 1)
+        assert len(toc) == 2, f"{name}: no table of contents"
+        entries = re.findall(r'class="md-nav__link"', toc[1].split("</nav>", 1)[0])
+        assert len(entries) >= 3, f"{name}: {len(entries)} entries in its table of contents"
+
+
 def _png(path: Path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -272,3 +272,27 @@ def test_unwrapped_optimizer_gets_an_actionable_error() -> None:
         mpt.state(opt)
     with pytest.raises(WrapError, match="wrap it first"), mpt.scale_loss(torch.ones(()), opt):
         pass
+
+
+def test_unscale_of_a_round_member_after_the_first_step_does_not_unscale_twice() -> None:
+    """``scale_loss(loss, [opt_a, opt_b])``: opt_a's step opens the round, which unscales
+    opt_b's gradients too; an ``unscale_(opt_b)`` (to clip) must then leave them as they
+    are, and opt_b's own step applies them once."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    (a, b), (opt_a, opt_b) = mpt.wrap([a, b], opts, "O2", loss_scale="static:1024")
+    x = torch.randn(4, 3)
+    with mpt.scale_loss((a(x).float() + b(x).float()).sum(), [opt_a, opt_b]) as scaled:
+        scaled.backward()
+    want = x.sum(0).expand(2, 3)  # d(sum of b(x))/d(b.weight): the unscaled gradient
+    opt_a.step()
+    mpt.unscale_(opt_b)
+    grad = mpt.master_params(opt_b)[0].grad
+    torch.testing.assert_close(grad, want, rtol=1e-3, atol=1e-3)
+    before = mpt.master_params(opt_b)[0].detach().clone()
+    opt_b.step()
+    torch.testing.assert_close(
+        mpt.master_params(opt_b)[0], before - 0.1 * want, rtol=1e-3, atol=1e-3
+    )
+    assert mpt.state(opt_b).skipped_steps == 0
