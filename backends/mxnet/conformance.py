@@ -18,8 +18,8 @@ from typing import Any
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from mixprec.errors import MixprecError, PolicyError
-from mixprec.kit import FLOAT32, LOWBIT_FORMATS, Policy, canonical_dtype, parse_state_format
+from mixprec.errors import MixprecError
+from mixprec.kit import FLOAT32, LOWBIT_FORMATS, Policy, canonical_dtype, lowbit_format
 
 from .devices import check_policy_dtypes
 from .dtypes import cast, dtype_name
@@ -137,9 +137,7 @@ class MXNetAdapter:
         self, state: str, signed: bool, values: list[float]
     ) -> tuple[list[int], list[float], list[float]]:
         """``values`` encoded and decoded by the low-bit state's codec (:mod:`.lowbit.codec`)."""
-        fmt = parse_state_format(state)
-        if fmt is None:
-            raise PolicyError(f"{state!r} is not a low-bit format; one of {LOWBIT_FORMATS}")
+        fmt = lowbit_format(state)
         codes, absmax = quantize(values, fmt, signed)
         decoded = dequantize(codes, absmax, fmt, signed, len(values))
         return codes.tolist(), absmax.tolist(), decoded.tolist()

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.errors import PolicyError, UnsupportedDtypeError
-from mixprec.kit import LOWBIT_FORMATS, MX_BLOCK, Policy, parse_state_format
+from mixprec.errors import UnsupportedDtypeError
+from mixprec.kit import LOWBIT_FORMATS, MX_BLOCK, Policy, lowbit_format
 
 from .devices import capabilities
 from .dtypes import dtype_name, torch_dtype
@@ -95,9 +95,7 @@ class TorchAdapter:
         self, state: str, signed: bool, values: list[float]
     ) -> tuple[list[int], list[float], list[float]]:
         """``values`` encoded and decoded by the low-bit state's codec (:mod:`.lowbit.codec`)."""
-        fmt = parse_state_format(state)
-        if fmt is None:
-            raise PolicyError(f"{state!r} is not a low-bit format; one of {LOWBIT_FORMATS}")
+        fmt = lowbit_format(state)
         x = torch.tensor(values, dtype=torch.float32, device=self.device)
         codes, absmax = lowbit_quantize(x, fmt, signed)
         decoded = dequantize(codes, absmax, fmt, signed, x.numel())

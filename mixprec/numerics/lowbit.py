@@ -76,6 +76,7 @@ __all__ = [
     "StateFormat",
     "StateMap",
     "describe_lowbit",
+    "lowbit_format",
     "parse_state_format",
     "state_bytes",
     "state_map",
@@ -199,6 +200,17 @@ def parse_state_format(text: str) -> StateFormat | None:
         else DEFAULT_MIN_SIZE,
         keep,
     )
+
+
+def lowbit_format(text: str) -> StateFormat:
+    """The :class:`StateFormat` ``text`` names, for callers that need a low-bit one.
+
+    :raises PolicyError: ``text`` names no low-bit format (or a bad setting of one).
+    """
+    fmt = parse_state_format(text)
+    if fmt is None:
+        raise PolicyError(f"{text!r} is not a low-bit format; use one of {LOWBIT_FORMATS}")
+    return fmt
 
 
 # ---------------------------------------------------------------------------- the maps

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from mixprec.errors import PolicyError
-from mixprec.kit import LOWBIT_FORMATS, Policy, StateFormat, parse_state_format
+from mixprec.kit import LOWBIT_FORMATS, Policy, StateFormat, lowbit_format
 from mixprec_jax import intercept, lowbit
 from mixprec_jax.casting import PyTree, cast, cast_floating, dtype_name, jax_dtype
 from mixprec_jax.devices import check_dtype, resolve_policy
@@ -164,9 +164,7 @@ class JaxConformanceAdapter:
         self, state: str, signed: bool, values: list[float]
     ) -> tuple[list[int], list[float], list[float]]:
         """``values`` encoded and decoded again by :mod:`mixprec_jax.lowbit`'s codec."""
-        fmt = parse_state_format(state)
-        if fmt is None:
-            raise PolicyError(f"{state!r} is not a low-bit format; one of {LOWBIT_FORMATS}")
+        fmt = lowbit_format(state)
         q, decoded = _codec(fmt, signed)(jnp.asarray(values, jnp.float32))
         return (
             np.asarray(q.codes).tolist(),

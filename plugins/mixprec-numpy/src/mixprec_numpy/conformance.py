@@ -11,7 +11,7 @@ import io
 import numpy as np
 
 from mixprec.errors import PolicyError
-from mixprec.kit import LOWBIT_FORMATS, MX_BLOCK, Policy, parse_state_format
+from mixprec.kit import LOWBIT_FORMATS, MX_BLOCK, Policy, lowbit_format
 from mixprec_numpy.casting import Tensor, cast
 from mixprec_numpy.devices import check_dtype, resolve_policy
 from mixprec_numpy.fp8 import quantise
@@ -73,9 +73,7 @@ class NumpyConformanceAdapter:
         self, state: str, signed: bool, values: list[float]
     ) -> tuple[list[int], list[float], list[float]]:
         """``values`` encoded and decoded again by :mod:`mixprec_numpy.lowbit`."""
-        fmt = parse_state_format(state)
-        if fmt is None:
-            raise PolicyError(f"{state!r} is not a low-bit format; one of {LOWBIT_FORMATS}")
+        fmt = lowbit_format(state)
         q = quantize(np.array(values, np.float32), fmt, signed)
         decoded = dequantize(q, fmt, signed, len(values))
         return q.codes.tolist(), q.absmax.tolist(), decoded.tolist()
