@@ -7,7 +7,8 @@
 - a refused input (any :class:`~mixprec.errors.MixprecError` a command raises):
   ``mixprec: error: <message>``, exit status 2, no traceback;
 - Ctrl-C: ``mixprec: interrupted``, exit status 130 (128 + SIGINT, as a shell reports it),
-  no traceback;
+  no traceback, even when it lands inside a finaliser (a ``__del__`` or weakref callback,
+  where Python prints "Exception ignored" and runs on: it is delivered again);
 - a warning: ``mixprec: warning: <message>`` (other libraries' warnings keep their class
   name: ``mixprec: warning: UserWarning: ...``), instead of Python's ``file:line`` and
   source-line format.
@@ -15,11 +16,13 @@
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import difflib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TextIO
@@ -32,6 +35,9 @@ __all__ = ["NON_FLOATING", "CliParser", "cli_messages", "dtype_list", "positive_
 PROG = "mixprec"
 #: The exit status of a command stopped by Ctrl-C: 128 + SIGINT, what a shell reports.
 INTERRUPTED = 130
+
+#: How long after a swallowed Ctrl-C it is delivered again (the finaliser has returned).
+_REDELIVERY_DELAY_S = 0.01
 
 #: dtype names an op's inputs may have that take no part in its decision.
 NON_FLOATING = frozenset(
@@ -116,6 +122,35 @@ def _show_warning(
 
 
 @contextlib.contextmanager
+def _interrupts_in_finalisers_delivered() -> Iterator[None]:
+    """A Ctrl-C that lands while the garbage collector runs a finaliser is swallowed by
+    Python ("Exception ignored in ..."), and the command ran on to its end. Inside: such a
+    KeyboardInterrupt is delivered again a moment later, from a short-lived thread (Python
+    checks for signals at its next instruction: raised from the hook, it would land in the
+    hook and be swallowed again)."""
+    previous_hook = sys.unraisablehook
+    active = True
+
+    def deliver_later() -> None:
+        time.sleep(_REDELIVERY_DELAY_S)
+        if active:
+            _thread.interrupt_main()
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _thread.start_new_thread(deliver_later, ())
+        else:
+            previous_hook(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        active = False
+        sys.unraisablehook = previous_hook
+
+
+@contextlib.contextmanager
 def cli_messages() -> Iterator[Callable[[Callable[[], int]], int]]:
     """Inside: warnings print as ``mixprec: warning: ...``. Yields ``report(run)``, which
     calls ``run()`` and turns a :class:`MixprecError` into ``mixprec: error: ...`` and 2,
@@ -124,7 +159,8 @@ def cli_messages() -> Iterator[Callable[[Callable[[], int]], int]]:
 
     def report(run: Callable[[], int]) -> int:
         try:
-            return run()
+            with _interrupts_in_finalisers_delivered():
+                return run()
         except MixprecError as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2

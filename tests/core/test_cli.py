@@ -231,6 +231,49 @@ def test_warnings_print_as_one_mixprec_line(capsys: pytest.CaptureFixture[str]) 
     ]
 
 
+_CTRL_C_IN_A_FINALISER = """
+import gc, signal, time
+from mixprec.cli_format import cli_messages
+
+
+class Finalised:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C while the collector runs this
+
+
+def run():
+    cycle = Finalised()
+    cycle.self = cycle
+    del cycle
+    gc.collect()
+    end = time.monotonic() + 60
+    while time.monotonic() < end:  # the rest of the command: it must not run to its end
+        pass
+    print("ran to the end")
+    return 0
+
+
+with cli_messages() as report:
+    raise SystemExit(report(run))
+"""
+
+
+def test_ctrl_c_inside_a_finaliser_still_interrupts(tmp_path: Path) -> None:
+    """CI: a Ctrl-C that landed in a weakref callback was printed as "Exception ignored" with
+    a traceback, and ``mixprec advise`` ran on to exit 0."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "finaliser.py"
+    script.write_text(_CTRL_C_IN_A_FINALISER)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines() == ["mixprec: interrupted"], proc.stderr
+    assert "ran to the end" not in proc.stdout
+
+
 # ---------------------------------------------------------------------- issue 37
 
 
