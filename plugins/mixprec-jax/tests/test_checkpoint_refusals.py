@@ -534,6 +534,16 @@ def test_a_header_of_another_dtype_or_shape_is_refused(
 # ---------------------------------------------------------------------- the header's content
 
 
+def test_a_policy_past_a_floats_range_is_refused(saved: Any) -> None:
+    """A loss scale of 10**400 in a signed header (a JSON integer no float holds): the
+    policy is unreadable (this was a bare OverflowError)."""
+    opt, state, blob = saved
+    policy = {**opt.policy.to_dict(), "loss_scale": 10**400}
+    data = _forged(opt, _stored(blob), _dtypes(blob), policy)
+    with pytest.raises(CheckpointError, match=r"the header's policy is unreadable \(Overflow"):
+        _load(opt, state, data)
+
+
 def test_another_policy_is_refused_before_any_array_is_read(saved: Any) -> None:
     _, state, blob = saved
     other = mpj.Optimizer(optax.sgd(0.1), policy="O3-bf16-sr")

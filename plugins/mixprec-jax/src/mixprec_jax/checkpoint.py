@@ -93,6 +93,16 @@ _PARSE_ERRORS = (
     SyntaxError,
     RecursionError,
 )
+#: What reading a header's policy can raise: a JSON integer past a float's range (a loss
+#: scale of 10**400) is an OverflowError.
+_POLICY_ERRORS = (
+    MixprecError,
+    KeyError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    OverflowError,
+)
 #: numpy.lib.format, untyped here: NumPy 1's stubs lack the ``max_header_size`` it is called with
 _NPY: Any = np.lib.format
 _DAMAGED = "the file is damaged: load an earlier checkpoint (nothing was loaded)"
@@ -427,7 +437,7 @@ def _check_header(meta: dict[str, Any], label: str) -> tuple[Policy, dict[str, s
         raise CheckpointError(f"{label}: the header's dtypes are unreadable; {_DAMAGED}")
     try:
         saved = Policy.from_dict(meta["policy"])
-    except (MixprecError, KeyError, TypeError, ValueError, AttributeError) as exc:
+    except _POLICY_ERRORS as exc:
         raise CheckpointError(
             f"{label}: the header's policy is unreadable ({type(exc).__name__}: {exc}); {_DAMAGED}"
         ) from None
