@@ -96,6 +96,9 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
     it = st.iteration
     if it.round is not None and it.implicit_unscale:
         it.implicit_unscale = False  # another optimizer's step() already unscaled these
+        if st.local is None:  # but left the model's own gradients scaled: the clip is on them
+            lay = layout(st, optimizer)
+            expose_unscaled_grads(st, lay.params, lay.masters)
         return
     count_plain_backward(st)  # no loss scaling: a plain loss.backward() is enough
     st.tracker.on_unscale()

@@ -566,11 +566,14 @@ def _drop_master_grads(st: OptimizerState, optimizer: torch.optim.Optimizer) -> 
 def _written_since_check(st: OptimizerState, optimizer: torch.optim.Optimizer) -> bool:
     """Whether this optimizer, checked when another optimizer's ``step()`` opened the round,
     has gradients written since that are now inf/NaN or overflow (a clip or an edit between
-    the two steps): a second guard pass over them. Checked on this rank alone: an all-reduce
-    here would hang ranks that made no such write, and DDP's gradients are the same on every
-    rank anyway."""
+    the two steps, of the masters' gradients or, after ``unscale_``, of the model's): a second
+    guard pass over them. Checked on this rank alone: an all-reduce here would hang ranks
+    that made no such write, and DDP's gradients are the same on every rank anyway."""
     it = st.iteration
     kept, it.checked = it.checked, None
+    # after an unscale_() since the round: the model's gradients' edits go into the masters'
+    lay = layout(st, optimizer)
+    take_grad_edits(st, lay.params, lay.masters)
     if kept is None or not edited_since_check(optimizer, kept):
         return False
     it.found_inf = []
