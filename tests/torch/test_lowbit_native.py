@@ -510,3 +510,88 @@ def test_the_plan_changes_nothing_and_the_first_step_makes_the_state(fused_runs:
     assert big["exp_avg"].dtype == torch.uint8 and float(big["step"]) == 1.0
     assert small["exp_avg"].dtype == torch.float32
     assert net.unused.weight not in opt.state or not opt.state[net.unused.weight]
+
+
+# ------------------------------------------------------------------ the guard's read, shared
+
+
+@pytest.fixture
+def grad_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The ids of the tensors clib.max_abs read."""
+    seen: list[int] = []
+    original = clib.max_abs
+
+    def recorded(lib: Any, tensors: list[torch.Tensor]) -> float:
+        seen.extend(id(t) for t in tensors)
+        return original(lib, tensors)
+
+    monkeypatch.setattr(clib, "max_abs", recorded)
+    yield seen
+
+
+def _grads(opt: torch.optim.Optimizer) -> set[int]:
+    return {id(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None}
+
+
+@needs_native
+def test_the_guards_pass_is_the_only_read_of_the_gradients(
+    fused_runs: list[int], grad_reads: list[int]
+) -> None:
+    """Under O0 the guard's sum of squares proves the bound: the plan reads no gradient (only
+    the moments' absmax); the bits are those of the step that reads them (the twin's)."""
+    native, opt = _train("O0,state=int8(block=32)", OPTIMIZERS["adamw"][0])
+    assert len(fused_runs) == 3
+    assert grad_reads and not set(grad_reads) & _grads(opt), "a gradient was read again"
+    with _Twin():
+        twin, _ = _train("O0,state=int8(block=32)", OPTIMIZERS["adamw"][0])
+    for i, (a, b) in enumerate(zip(native, twin, strict=True)):
+        _same_bits(a, b, f"weight {i}")
+
+
+@needs_native
+def test_a_sum_of_squares_that_proves_no_bound_reads_the_gradients(
+    fused_runs: list[int], grad_reads: list[int]
+) -> None:
+    """Four gradients of 9e17: each within GRAD_BOUND, their sum of squares (3.2e36) not a
+    proof of it, so the plan reads them, and the step is fused."""
+    net = _net()
+    _, opt = mpt.wrap(
+        net, torch.optim.SGD(net.parameters(), lr=1e-30, momentum=0.5), policy="O0,state=int8"
+    )
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    net[0].weight.grad[0, :4] = 9e17
+    opt.step()
+    assert fused_runs == [1]
+    assert id(net[0].weight.grad) in grad_reads
+
+
+@needs_native
+def test_the_guards_sum_is_taken_once_and_only_for_the_gradients_it_read() -> None:
+    from mixprec_torch.cpu.grad_check import GuardPlan, native_unscale
+
+    lib = clib.library()
+    net = nn.Linear(5, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for p in net.parameters():
+        p.grad = torch.full_like(p, 2.0)
+    plan = GuardPlan(None, opt, {})
+    grads = [net.weight.grad, net.bias.grad]
+
+    def read(inv_scale: float | None = None) -> None:
+        assert native_unscale(lib, plan, inv_scale, False, lambda g, m: ([], [])) is False
+
+    read()
+    assert plan.squares_of(grads) == 4.0 * 18
+    assert plan.squares_of(grads) is None, "taken once"
+    read()
+    assert plan.squares_of([net.weight.grad]) == 4.0 * 18, "a part of what it read"
+    read()
+    net.bias.grad.mul_(0.5)  # written in place since the pass
+    assert plan.squares_of(grads) is None
+    read()
+    assert plan.squares_of(grads) == 4.0 * 15 + 3.0
+    read()
+    assert plan.squares_of([torch.ones(3)]) is None, "a tensor it did not read"
+    read(inv_scale=0.5)  # an unscale writes the gradients: no sum left
+    assert plan.squares_of(grads) is None

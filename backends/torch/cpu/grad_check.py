@@ -16,6 +16,11 @@ in a different order.
 What does not change from step to step (which tensors, their sizes and dtypes) is a
 :class:`GuardPlan`, built once per layout of the optimizer's parameter groups; a step reads
 each gradient's address and checks its layout, nothing more.
+
+A pass that did not unscale (O0 and the other policies without loss scaling) leaves its sum
+of squares on the plan (:meth:`GuardPlan.squares_of`): no square is larger than that sum, so
+it bounds the largest gradient, the bound the low-bit fused step needs before it overwrites
+any codes (:mod:`mixprec_torch.lowbit.fused_step`), without a second read of the gradients.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from itertools import accumulate
 
 import torch
 
+from ..torch_private import tensor_versions
 from . import clib
 
 __all__ = ["FLOAT32_MAX", "GuardPlan", "native_unscale"]
@@ -81,6 +87,27 @@ class GuardPlan:
         self.model_codes = [_CODES.get(m.dtype, -1) for m in self.models]
         self.plain_half = any(p.dtype == torch.float16 for p in self.plain)
         self._arrays: dict[tuple[bool, bool], tuple[array.array, ...]] = {}  # type: ignore[type-arg]
+        self.read: tuple[float, list[torch.Tensor], list[int]] | None = None
+        """The latest pass's sum of squares where it did not unscale, with the tensors it
+        read (and did not write) and their version counters then; None where the latest pass
+        unscaled, or took the gradients not at all, or the sum was taken
+        (:meth:`squares_of`)."""
+
+    def squares_of(self, grads: list[torch.Tensor]) -> float | None:
+        """The sum of squares of the latest pass that did not unscale, once, where it read each
+        of ``grads`` (the same tensors) and none was written in place since (their version
+        counters unchanged); None otherwise. The sum is of float32 lanes, each square added
+        to its lane rounded to nearest, so no square in it is larger (to one rounding), and it
+        is inf or NaN where a gradient is not finite."""
+        read, self.read = self.read, None
+        if read is None:
+            return None
+        total, tensors, versions = read
+        seen = {id(t): v for t, v in zip(tensors, versions, strict=True)}  # held: ids stay
+        now = tensor_versions(grads)
+        if any(seen.get(id(g)) != v for g, v in zip(grads, now, strict=True)):
+            return None  # not read by that pass, or written in place since
+        return total
 
     def arrays(
         self,
@@ -150,6 +177,7 @@ def native_unscale(
         (:func:`mixprec_torch.step.model_edits.grad_buffers`).
     """
     scaled = inv_scale is not None
+    plan.read = None
     if scaled and plan.plain_half:
         return None  # the kernel writes float32 and bfloat16 only
     plain = [p.grad for p in plan.plain]
@@ -190,4 +218,6 @@ def native_unscale(
         numel = [[*plan.plain_numel, *plan.model_numel][i] for i in picked]
         starts, sdt, ddt = plan.arrays(cast, scaled, picked, numel)
     total = clib.guard_pass(lib, src_ptrs, dst_ptrs, starts, sdt, ddt, inv_scale)
+    if not scaled:  # the sources only read (a cast writes the masters'): the sum bounds them
+        plan.read = (total, sources, tensor_versions(sources))
     return not total <= FLOAT32_MAX  # NaN (a NaN gradient) fails the comparison too

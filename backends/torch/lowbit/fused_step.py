@@ -32,7 +32,11 @@ the quantized parameters' gradients (and weights, under L2 weight decay) at most
 ``m + (g - m)(1 - b1)``, ``v b2 + g² (1 - b2)`` and ``buf momentum + g (1 - dampening)`` stay
 far inside float32's range. One read of the gradients (:func:`mixprec_torch.cpu.clib.max_abs`)
 buys that: a non-finite gradient, weight or moment, or an inf hyperparameter, takes the
-generic path and its refusal.
+generic path and its refusal. Where the step guard's pass of this step only read the
+gradients (no loss scaling: :meth:`mixprec_torch.cpu.grad_check.GuardPlan.squares_of`), its
+sum of squares bounds every gradient already (no square in the sum is larger), and that read
+is the only one: the gradients are read again only where the sum does not prove the bound
+(or the pass did not read them all, or one was written in place since).
 
 Two implementations give the same bits: the kernels and :func:`_run_torch` (the twin codec
 and :func:`~mixprec_torch.cpu.update_rule.rule_torch`), used where the kernels are not.
@@ -200,16 +204,39 @@ def _max_abs(lib: ctypes.CDLL | None, tensors: list[torch.Tensor]) -> float:
     return max(float(t.detach().float().abs().max()) if t.numel() else 0.0 for t in tensors)
 
 
+Squares = Callable[[list[torch.Tensor]], float | None]
+"""The step guard's sum of squares over the given gradients, where its pass read them all
+and none was written since (:meth:`mixprec_torch.cpu.grad_check.GuardPlan.squares_of`)."""
+
+
+def _largest_grad(
+    lib: ctypes.CDLL | None, grads: list[torch.Tensor], squares: float | None
+) -> float:
+    """A bound on the largest magnitude over ``grads``: from the guard's sum of squares when
+    that proves them within :data:`GRAD_BOUND` (each square in it rounded once, at most 2^-24
+    below the exact square; 2^-20 of room), else read (:func:`_max_abs`)."""
+    if squares is not None and squares >= 0.0:
+        bound = math.sqrt(squares) * (1.0 + 2.0**-20)
+        if bound <= GRAD_BOUND:
+            return bound
+    return _max_abs(lib, grads)
+
+
 def _bounded(
-    algo: int, group: dict[str, Any], found: list[_Param], states: list[dict[str, Any]]
+    algo: int,
+    group: dict[str, Any],
+    found: list[_Param],
+    states: list[dict[str, Any]],
+    squares: float | None,
 ) -> bool:
     """Whether the quantized parameters' gradients, weights (L2 decay) and moments are within
-    the bounds that keep every new moment finite (see the module)."""
+    the bounds that keep every new moment finite (see the module); ``squares``: the guard's
+    sum of squares over every gradient of the optimizer, or None."""
     grads = [p.grad for p in found if p.quantized]
     if not grads:
         return True
     lib = clib.library()  # CPU tensors only here
-    g = _max_abs(lib, grads)
+    g = _largest_grad(lib, grads, squares)
     wd = abs(float(group.get("weight_decay", 0.0)))
     if wd != 0.0 and not (algo == ADAM and group.get("decoupled_weight_decay", False)):
         g += _max_abs(lib, [p.param for p in found if p.quantized]) * wd  # L2: g + x wd
@@ -223,13 +250,22 @@ def plan(
     fmt: StateFormat,
     tag: tuple[int, int],
     quantized: Callable[[torch.Tensor], bool],
+    squares: Squares | None = None,
 ) -> Plan | None:
     """The fused step's plan for ``optimizer`` now, None where it takes the generic path
-    (see the module: what it takes, and the bounds). Changes nothing."""
+    (see the module: what it takes, and the bounds). Changes nothing.
+
+    :param squares: the step guard's sum of squares, asked once for every gradient the
+        optimizer applies (see the module).
+    """
     base = base_class(optimizer)
     algo = algo_of(base)
     if algo is None or not options_fusable(base, optimizer.param_groups):
         return None
+    total: float | None = None
+    if squares is not None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+        total = squares([g for g in grads if g is not None])
     groups = []
     for group in optimizer.param_groups:
         keys = _keys(algo, group)
@@ -257,7 +293,7 @@ def plan(
                 if low:
                     states.append(state)
         if any(p.quantized for p in found) and not (
-            _ranges_fit(algo, group) and _bounded(algo, group, found, states)
+            _ranges_fit(algo, group) and _bounded(algo, group, found, states, total)
         ):
             return None
         groups.append((group, found))

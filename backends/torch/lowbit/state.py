@@ -189,7 +189,9 @@ class LowBitState:
         :raises PolicyError: a new moment is not finite all the same (the plan's bounds rule
             it out); its non-finite blocks keep their codes.
         """
-        plan = fused_step.plan(optimizer, self.fmt, self.tag, self._quantized)
+        plan = fused_step.plan(
+            optimizer, self.fmt, self.tag, self._quantized, _guard_squares(optimizer)
+        )
         if plan is None:
             return False
         failed: fused_step.Moment | None = run_step_hooks(
@@ -377,3 +379,14 @@ def float32_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         new_state[index] = entry
     sd["state"] = new_state
     return sd
+
+
+def _guard_squares(optimizer: torch.optim.Optimizer) -> fused_step.Squares | None:
+    """The step guard's sum of squares of this step's gradients, where its native pass only
+    read them (:meth:`mixprec_torch.cpu.grad_check.GuardPlan.squares_of`): the bound the
+    fused step needs, without reading them again."""
+    st = getattr(optimizer, "_mixprec", None)
+    lay = getattr(st, "layout", None)
+    guard = getattr(lay, "guard_plan", None)
+    squares: fused_step.Squares | None = getattr(guard, "squares_of", None)
+    return squares
