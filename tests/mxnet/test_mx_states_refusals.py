@@ -13,6 +13,9 @@ on their boundaries.
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -328,3 +331,100 @@ def test_a_quantized_state_at_the_limits_of_its_shape_is_read(shape: list[int]) 
     assert isinstance(state, LowBitArray)
     assert (state.shape, state.signed, state.tag) == (tuple(shape), True, "int8/256")
     assert state.codes is ARRAYS["c"] and state.absmax is ARRAYS["m"]
+
+
+# ---------------------------------------------------------------------- sizes, indices, codes
+
+
+def _limit(tmp_path: Path, trainer: Trainer) -> int:
+    """The most bytes ``trainer`` reads from a states file, as its refusal states it."""
+    huge = tmp_path / "huge.states"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 30)  # sparse: no disk used
+    with pytest.raises(CheckpointError, match=r"more than the states") as caught:
+        trainer.load_states(str(huge))
+    found = re.search(r"can take \((\d+)\)", str(caught.value))
+    assert found is not None
+    return int(found.group(1))
+
+
+def test_a_file_of_the_largest_size_is_read_and_one_byte_more_is_not(tmp_path: Path) -> None:
+    net, trainer = _trained(1)
+    limit = _limit(tmp_path, trainer)
+    assert limit > 16 << 20  # the header's room and the states of the net's elements
+    before = _snapshot(net, trainer)
+    path = tmp_path / "t.states"
+    for size, message in [(limit, "not a readable trainer states file"), (limit + 1, "more than")]:
+        with open(path, "wb") as f:
+            f.truncate(size)
+        with pytest.raises(CheckpointError, match=message):
+            trainer.load_states(str(path))
+    assert _snapshot(net, trainer) == before
+
+
+def test_a_file_that_grows_while_it_is_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its size when it was opened (``fstat``) said less than what the read found."""
+    net, trainer = _trained(1)
+    path = tmp_path / "t.states"
+    with open(path, "wb") as f:
+        f.truncate(_limit(tmp_path, trainer) + 1)
+    real = os.fstat
+
+    def fstat_before_it_grew(fd: int) -> os.stat_result:
+        info = list(real(fd))
+        info[stat.ST_SIZE] = 0
+        return os.stat_result(info)
+
+    before = _snapshot(net, trainer)
+    monkeypatch.setattr(os, "fstat", fstat_before_it_grew)
+    with pytest.raises(CheckpointError, match="changed while it was read"):
+        trainer.load_states(str(path))
+    monkeypatch.undo()
+    assert _snapshot(net, trainer) == before
+
+
+@pytest.mark.parametrize("index", ["-1", "4"])
+def test_state_of_a_parameter_the_trainer_does_not_have_is_refused(
+    tmp_path: Path, saved: Callable[[str], bytes], index: str
+) -> None:
+    def renumbered(meta: dict[str, Any], arrays: dict[str, Any]) -> None:
+        meta["per_param"][index] = meta["per_param"].pop("3")  # the net has 4 parameters
+
+    path = tmp_path / "t.states"
+    path.write_bytes(saved("O2-bf16"))
+    rewrite_states(path, renumbered)
+    _refused(path, rf"optimizer state for parameter indices \[{index}\], but this Trainer has 4")
+
+
+def test_state_of_another_shape_is_refused_with_both_shapes(
+    tmp_path: Path, saved: Callable[[str], bytes]
+) -> None:
+    def reshaped(meta: dict[str, Any], arrays: dict[str, Any]) -> None:
+        arrays[meta["per_param"]["1"]["tuple"][0]["array"]] = nd.zeros((3, 3))
+
+    path = tmp_path / "t.states"
+    path.write_bytes(saved("O2-bf16"))
+    rewrite_states(path, reshaped)
+    _refused(path, r"optimizer state of shape \(3, 3\) for parameter '.*' of shape \(16, 8\)")
+
+
+def test_codes_of_another_format_are_refused(tmp_path: Path, saved: Callable[[str], bytes]) -> None:
+    path = tmp_path / "t.states"
+    path.write_bytes(saved(LOWBIT))
+    rewrite_states(path, _lowbit(format="int4/32"))
+    _refused(path, r"quantized as 'int4/32', but this Trainer keeps its optimizer state as", LOWBIT)
+
+
+def test_codes_load_into_a_trainer_without_low_bit_state_as_float32(
+    tmp_path: Path, saved: Callable[[str], bytes]
+) -> None:
+    path = tmp_path / "t.states"
+    path.write_bytes(saved(LOWBIT))
+    _, trainer = _trained(1)
+    trainer.load_states(str(path))
+    for index, state in trainer._updaters[0].states.items():
+        for array in state:
+            assert isinstance(array, nd.NDArray) and array.dtype == np.float32
+            assert array.shape == trainer._params[index].shape
