@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: demo test test-fast lint bench bench-lowbit docs install clean gpu-check dist kernels sanitize
+.PHONY: demo test test-slow lint bench bench-lowbit docs install clean gpu-check dist kernels sanitize
 
 # The JAX plugin's own environment: JAX needs NumPy 2, MXNet 1.9.1 needs NumPy 1.23.5.
 JAX_VENV  := .venv-jax
@@ -68,21 +68,26 @@ dist:
 demo: $(STAMP) $(KERNELS_SO)
 	$(BIN)/python examples/demo.py
 
-# The suite's time is part of its contract: both runs print their 25 slowest tests, and
-# README.md records the whole run's time and test count on the machine it was last taken on.
+# The suite's time is part of its contract: `make test` stays under 8 minutes on a 2-core
+# machine. It runs every test but the heavy cases (marker `slow`: training to an accuracy,
+# several ranks, compiled builds of the kernels, fresh virtual environments), which
+# `make test-slow` runs; CI (.ci/run) runs both. Each run prints its slowest tests, and
+# README.md records the time and test count of both on the machine they were last taken on.
 # Two workers (pytest-xdist) share the test files, the files with slow tests handed out
 # first (tests/conftest.py); one thread each for torch's, MXNet's and NumPy's kernels, so two
 # workers on two cores do not wait on each other's threads.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
-test: $(STAMP) $(KERNELS_SO) $(JAX_STAMP) $(WHEELHOUSE)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) --durations=25
+test: $(STAMP) $(KERNELS_SO) $(JAX_STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) -m "not slow" --durations=25
 	# the JAX plugin's tests (flax, optax, its conformance run) in their own environment
 	cd plugins/mixprec-jax && OMP_NUM_THREADS=1 ../../$(JAX_BIN)/python -m pytest $(XDIST) \
-		--durations=10
+		-m "not slow" --durations=10
 
-test-fast: $(STAMP) $(KERNELS_SO)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) -m "not slow"
+test-slow: $(STAMP) $(KERNELS_SO) $(JAX_STAMP) $(WHEELHOUSE)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) -m slow --durations=25
+	cd plugins/mixprec-jax && OMP_NUM_THREADS=1 ../../$(JAX_BIN)/python -m pytest $(XDIST) \
+		-m slow --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check mixprec backends plugins tests benchmarks examples docsbuild

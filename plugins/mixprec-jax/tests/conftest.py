@@ -19,9 +19,11 @@ pytest_plugins = ["mixprec.testing.pytest_plugin"]
 mixprec_backends = ["jax"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: in both runs of make
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files holding ``slow`` tests (the installs) first: ``make test`` shares the files among
-    two workers (pytest-xdist, ``--dist loadfile``), and the install file handed out last
-    would leave one worker idle while the other runs it."""
+    """Files holding ``slow`` tests (the installs) first, sorted before ``-m`` deselects:
+    ``make test`` and ``make test-slow`` share the files among two workers (pytest-xdist,
+    ``--dist loadfile``), and the install file handed out last would leave one worker idle
+    while the other runs it."""
     heavy = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in heavy)

@@ -4,7 +4,7 @@ shell commands (docs/jax.md), run in fresh virtual environments, offline.
 A copy of the working tree (the files git tracks or would track, as a clean clone has them)
 builds the wheels with ``make dist``; a fresh environment installs ``mixprec[jax]`` and flax
 from those wheels and ``build/wheelhouse`` alone (``--no-index``: the third-party wheels
-pinned in ``constraints.txt``, which ``make install``/``make test`` download once), then runs
+pinned in ``constraints.txt``, which ``make install``/``make test-slow`` download once), then runs
 the page's first loop from a folder outside any checkout. A second environment installs from
 the clone's folders, as the page's clone command does. The time from ``pip install`` to the
 loop's last step is printed (run with ``-s`` to see it).
