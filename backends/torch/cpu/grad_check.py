@@ -18,7 +18,7 @@ What does not change from step to step (which tensors, their sizes and dtypes) i
 each gradient's address and checks its layout, nothing more.
 
 A pass that did not unscale (O0 and the other policies without loss scaling) leaves its sum
-of squares on the plan (:meth:`GuardPlan.squares_of`): no square is larger than that sum, so
+of squares on the plan, where asked (:meth:`GuardPlan.squares_of`): no square exceeds it, so
 it bounds the largest gradient, the bound the low-bit fused step needs before it overwrites
 any codes (:mod:`mixprec_torch.lowbit.fused_step`), without a second read of the gradients.
 """
@@ -87,6 +87,9 @@ class GuardPlan:
         self.model_codes = [_CODES.get(m.dtype, -1) for m in self.models]
         self.plain_half = any(p.dtype == torch.float16 for p in self.plain)
         self._arrays: dict[tuple[bool, bool], tuple[array.array, ...]] = {}  # type: ignore[type-arg]
+        self.keep_squares = False
+        """Whether a pass keeps its sum as :attr:`read` (set by the first who asks: the
+        low-bit fused step; a pass without it reads no version counter)."""
         self.read: tuple[float, list[torch.Tensor], list[int]] | None = None
         """The latest pass's sum of squares where it did not unscale, with the tensors it
         read (and did not write) and their version counters then; None where the latest pass
@@ -218,6 +221,6 @@ def native_unscale(
         numel = [[*plan.plain_numel, *plan.model_numel][i] for i in picked]
         starts, sdt, ddt = plan.arrays(cast, scaled, picked, numel)
     total = clib.guard_pass(lib, src_ptrs, dst_ptrs, starts, sdt, ddt, inv_scale)
-    if not scaled:  # the sources only read (a cast writes the masters'): the sum bounds them
+    if plan.keep_squares and not scaled:  # the sources read (a cast writes the masters')
         plan.read = (total, sources, tensor_versions(sources))
     return not total <= FLOAT32_MAX  # NaN (a NaN gradient) fails the comparison too

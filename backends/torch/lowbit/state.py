@@ -384,9 +384,13 @@ def float32_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def _guard_squares(optimizer: torch.optim.Optimizer) -> fused_step.Squares | None:
     """The step guard's sum of squares of this step's gradients, where its native pass only
     read them (:meth:`mixprec_torch.cpu.grad_check.GuardPlan.squares_of`): the bound the
-    fused step needs, without reading them again."""
+    fused step needs, without reading them again. The first ask makes the passes keep it
+    (from the next step on)."""
     st = getattr(optimizer, "_mixprec", None)
     lay = getattr(st, "layout", None)
     guard = getattr(lay, "guard_plan", None)
-    squares: fused_step.Squares | None = getattr(guard, "squares_of", None)
+    if guard is None:
+        return None
+    guard.keep_squares = True
+    squares: fused_step.Squares = guard.squares_of
     return squares
