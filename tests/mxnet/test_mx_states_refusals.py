@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import stat
 from collections.abc import Callable
@@ -128,6 +129,15 @@ def test_an_ndarray_file_without_the_header_is_refused(tmp_path: Path, arrays: s
     ones = nd.ones((2,))
     _sealed(path, [ones] if arrays == "list" else {"optimizer/0/0": ones})
     _refused(path, r"\(no mixprec header\)")
+
+
+def test_a_sealed_pickle_is_not_read_as_a_pickle(tmp_path: Path) -> None:
+    """The checksum line says format /3: what it seals is read as an NDArray file, never
+    unpickled, however short (a pickle of an empty dict is five bytes)."""
+    body = pickle.dumps({})
+    path = tmp_path / "t.states"
+    path.write_bytes(body + seal(body))
+    _refused(path, "is not a readable trainer states file")
 
 
 @pytest.mark.parametrize(
