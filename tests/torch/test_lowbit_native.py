@@ -13,6 +13,7 @@ and UBSan build (tests/torch/test_native_delivery.py).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -603,3 +604,9 @@ def test_the_guards_sum_is_taken_once_and_only_for_the_gradients_it_read() -> No
     assert plan.squares_of([torch.ones(3)]) is None, "a tensor it did not read"
     read(inv_scale=0.5)  # an unscale writes the gradients: no sum left
     assert plan.squares_of(grads) is None
+    read()
+    gone = weakref.ref(net.bias.grad)
+    del grads
+    net.bias.grad = None
+    assert gone() is None, "the kept sum holds no gradient alive"
+    assert plan.squares_of([net.weight.grad]) == 15 + 3 * 0.25  # as the unscale left them

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import weakref
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
@@ -90,11 +91,11 @@ class GuardPlan:
         self.keep_squares = False
         """Whether a pass keeps its sum as :attr:`read` (set by the first who asks: the
         low-bit fused step; a pass without it reads no version counter)."""
-        self.read: tuple[float, list[torch.Tensor], list[int]] | None = None
+        self.read: tuple[float, list[weakref.ref[torch.Tensor]], list[int]] | None = None
         """The latest pass's sum of squares where it did not unscale, with the tensors it
-        read (and did not write) and their version counters then; None where the latest pass
-        unscaled, or took the gradients not at all, or the sum was taken
-        (:meth:`squares_of`)."""
+        read (and did not write; weak references: a skipped step keeps no gradient alive)
+        and their version counters then; None where the latest pass unscaled, or took the
+        gradients not at all, or the sum was taken (:meth:`squares_of`)."""
 
     def squares_of(self, grads: list[torch.Tensor]) -> float | None:
         """The sum of squares of the latest pass that did not unscale, once, where it read each
@@ -105,8 +106,9 @@ class GuardPlan:
         read, self.read = self.read, None
         if read is None:
             return None
-        total, tensors, versions = read
-        seen = {id(t): v for t, v in zip(tensors, versions, strict=True)}  # held: ids stay
+        total, refs, versions = read
+        alive = [(ref(), v) for ref, v in zip(refs, versions, strict=True)]
+        seen = {id(t): v for t, v in alive if t is not None}  # alive: their ids are theirs
         now = tensor_versions(grads)
         if any(seen.get(id(g)) != v for g, v in zip(grads, now, strict=True)):
             return None  # not read by that pass, or written in place since
@@ -222,5 +224,5 @@ def native_unscale(
         starts, sdt, ddt = plan.arrays(cast, scaled, picked, numel)
     total = clib.guard_pass(lib, src_ptrs, dst_ptrs, starts, sdt, ddt, inv_scale)
     if plan.keep_squares and not scaled:  # the sources read (a cast writes the masters')
-        plan.read = (total, sources, tensor_versions(sources))
+        plan.read = (total, [weakref.ref(t) for t in sources], tensor_versions(sources))
     return not total <= FLOAT32_MAX  # NaN (a NaN gradient) fails the comparison too
