@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import mixprec.torch as mpt  # noqa: E402
-from mixprec.errors import StepOrderError  # noqa: E402
+from mixprec.errors import DistributedError, StepOrderError  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -318,3 +318,48 @@ def test_a_nan_written_into_the_models_gradients_after_unscale_is_checked() -> N
     opt_b.step()  # its own skip: the round's decision, and the scale, stand
     assert all(torch.equal(p, q) for p, q in zip(mpt.master_params(opt_b), before, strict=True))
     assert torch.isfinite(b.weight).all()
+
+
+@pytest.fixture
+def failed_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks, the other one gone: the found_inf all-reduce fails (as gloo's does)."""
+    import mixprec_torch.step.distributed as distributed
+    import mixprec_torch.step.protocol as protocol
+
+    class Failed:
+        def wait(self, timeout: Any = None) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+    for module in (distributed, protocol):
+        monkeypatch.setattr(module, "is_distributed", lambda *_: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *_, **__: Failed())
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *_: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *_: 0)
+
+
+@pytest.mark.usefixtures("failed_peer")
+def test_a_failed_peer_is_reported_with_the_step_it_failed_at() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    model, opt = mpt.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2-bf16")
+    _rank_backward(model, opt)
+    with pytest.raises(DistributedError, match=r"failed on rank 0 of 2 at step 0 after"):
+        opt.step()
+
+
+@pytest.mark.usefixtures("failed_peer")
+def test_the_apex_shims_check_reports_a_failed_peer_at_this_step() -> None:
+    """Its check runs as ``scale_loss`` exits, where there is no step count to name."""
+    from mixprec.compat import apex_amp as amp
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    model, opt = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0
+    )
+    loss = model(torch.randn(4, 3)).float().sum()
+    with (
+        pytest.raises(DistributedError, match=r"failed on rank 0 of 2 at this step after"),
+        amp.scale_loss(loss, opt) as scaled,
+    ):
+        scaled.backward()
