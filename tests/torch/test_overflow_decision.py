@@ -5,7 +5,8 @@ checks every member, decides once and hands each member its decision; what a use
 member between the round and its own ``step()`` (``unscale_``, a clip, an edit, another
 round) is checked there. The multi-rank tests run in this process: the all-reduce is
 replaced by a peer that answers with its own flag (MAX, as gloo and NCCL reduce it), so the
-flag this rank sends and the decision it takes from the answer are both seen.
+flag this rank sends and the decision it takes from the answer are both seen, or by one that
+failed (the all-reduce raises, as gloo's does when a peer is gone).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 class _ScalarReads(TorchDispatchMode):
     """Counts the scalars read from tensors (``item()``, ``bool()``, ``float()``): each one a
-    host sync on an accelerator."""
+    host sync on an accelerator. A dispatch mode (torch's private hook) sees every one, as
+    ``aten._local_scalar_dense``, whichever Python call asked for it."""
 
     def __init__(self) -> None:
         super().__init__()
