@@ -170,6 +170,22 @@ def test_a_member_left_alone_after_the_round_steps_without_a_host_sync(
     assert not any(torch.equal(p, q) for p, q in zip(after, before, strict=True))
 
 
+def test_a_statistics_guard_with_nothing_to_flag_leaves_the_decision_to_the_gradients() -> None:
+    """A BatchNorm in eval mode updates no running statistic: its guard has no flag for the
+    round (None, not a zero flag), and the step is applied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mpt.wrap(model, opt, "O2", loss_scale=SCALE)
+    model.eval()
+    with mpt.scale_loss(model(torch.randn(4, 3).half()).float().sum(), opt) as scaled:
+        scaled.backward()
+    before = _weights(opt)
+    opt.step()
+    assert not mpt.state(opt).last_step_skipped
+    assert not torch.equal(mpt.master_params(opt)[0], before[0])
+
+
 # ---------------------------------------------------------------------- the flag each rank sends
 
 
