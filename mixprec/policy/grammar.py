@@ -162,7 +162,7 @@ def loss_scale_from_value(value: object) -> LossScaleConfig:
     elif isinstance(value, Mapping):
         state = _loss_scale_from_mapping(value)
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        state = StaticScale(float(value))
+        state = StaticScale(value)  # it checks: an int beyond float is refused
     else:
         raise PolicyError(f"bad loss_scale {value!r}; write {_LOSS_SCALE_FORMS}")
     return state.fresh()
