@@ -73,9 +73,9 @@ demo: $(STAMP) $(KERNELS_SO)
 # several ranks, compiled builds of the kernels, fresh virtual environments), which
 # `make test-slow` runs; CI (.ci/run) runs both. Each run prints its slowest tests, and
 # README.md records the time and test count of both on the machine they were last taken on.
-# Two workers (pytest-xdist) share the test files, the files with slow tests handed out
-# first (tests/conftest.py); one thread each for torch's, MXNet's and NumPy's kernels, so two
-# workers on two cores do not wait on each other's threads.
+# Two workers (pytest-xdist, `--dist loadfile`: a file's tests on one worker, the files with
+# the most tests handed out first); one thread each for torch's, MXNet's and NumPy's kernels,
+# so two workers on two cores do not wait on each other's threads.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP) $(KERNELS_SO) $(JAX_STAMP)

@@ -6,8 +6,6 @@ The last two lines are all mixprec's conformance suite takes."""
 
 import os
 
-import pytest
-
 _FLAGS = (
     "--xla_force_host_platform_device_count=2",
     "--xla_backend_optimization_level=0",
@@ -17,13 +15,3 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_FLAGS]).s
 
 pytest_plugins = ["mixprec.testing.pytest_plugin"]
 mixprec_backends = ["jax"]
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m deselects: in both runs of make
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files holding ``slow`` tests (the installs) first, sorted before ``-m`` deselects:
-    ``make test`` and ``make test-slow`` share the files among two workers (pytest-xdist,
-    ``--dist loadfile``), and the install file handed out last would leave one worker idle
-    while the other runs it."""
-    heavy = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in heavy)
