@@ -23,6 +23,9 @@ second timeout counts it as killed (an endless loop), not a loaded machine. An u
 run comes first and must pass. Left out, as they change nothing a test could see:
 docstrings, annotations, ``__all__``, ``TYPE_CHECKING`` blocks, and the text of error and
 warning messages (a mutant there survives by design, so they would only dilute the score).
+Not made: ``None`` -> ``0`` where ``None`` is an operand of ``is``/``is not`` (``x is 0`` is
+a SyntaxWarning, an error under the suite's warning filters: the mutant never imports and
+would count as killed whatever the tests do; ``is`` -> ``is not`` is made there instead).
 """
 
 from __future__ import annotations
@@ -146,6 +149,12 @@ def _skipped_subtrees(tree: ast.Module) -> set[int]:
             drop(node)
         if isinstance(node, ast.JoinedStr):
             drop(node)
+        if isinstance(node, ast.Compare) and any(
+            isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops
+        ):
+            for operand in (node.left, *node.comparators):
+                if isinstance(operand, ast.Constant) and operand.value is None:
+                    drop(operand)  # None -> 0 there is a SyntaxWarning, not a behaviour
         if isinstance(node, ast.Call) and _call_name(node) in _MESSAGE_CALLS:
             for arg in node.args[:1]:  # the message; the category of warn() stays mutable
                 drop(arg)
