@@ -151,6 +151,31 @@ def test_a_gradient_replaced_after_the_round_is_checked_at_its_own_step() -> Non
     assert torch.isfinite(b.weight).all()
 
 
+def test_a_member_that_skips_alone_says_so_in_its_state() -> None:
+    """The documented ``if not state(opt).last_step_skipped: scheduler.step()`` held the
+    schedule of the round's skips but not of a member's own (its gradient written after the
+    round's check): its state said "not skipped" while its weights did not move."""
+    a, b, opt_a, opt_b = _pair("O2-bf16")
+    x = torch.randn(4, 3)
+    _backward(a, b, [opt_a, opt_b], x)
+    opt_a.step()
+    mpt.master_params(opt_b)[0].grad.fill_(math.inf)  # in place, after the round's check
+    before = _weights(opt_b)
+    opt_b.step()
+    assert all(torch.equal(p, q) for p, q in zip(mpt.master_params(opt_b), before, strict=True))
+    own, shared = mpt.state(opt_b), mpt.state(opt_a)
+    assert (own.last_step_skipped, own.skipped_steps) == (True, 1)
+    assert (shared.last_step_skipped, shared.skipped_steps) == (False, 0)
+    assert own.steps == shared.steps == 1
+    for opt in (opt_a, opt_b):
+        opt.zero_grad()
+    _backward(a, b, [opt_a, opt_b], x)
+    opt_a.step()
+    opt_b.step()
+    own = mpt.state(opt_b)
+    assert (own.last_step_skipped, own.skipped_steps, own.steps) == (False, 1, 2)
+
+
 @pytest.mark.parametrize("unscale", [False, True], ids=["step", "unscale_-step"])
 @pytest.mark.parametrize("policy", ["O2-bf16", "O1", "O2"])
 def test_a_member_left_alone_after_the_round_steps_without_a_host_sync(

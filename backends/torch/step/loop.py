@@ -6,6 +6,7 @@ the arithmetic is :mod:`mixprec_torch.step.protocol`'s.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -123,6 +124,17 @@ def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def state(optimizer: torch.optim.Optimizer) -> MixprecState:
-    """Loss scale, skip counters, resolved policy and events of the optimizer's group."""
+    """Loss scale, skip counters, resolved policy and events of the optimizer's group, and
+    the steps this optimizer skipped alone (a round member whose gradients were written
+    after the round's check and overflow): counted in ``skipped_steps``, and
+    ``last_step_skipped`` while no step of the group came after, so that the documented
+    ``if not state(optimizer).last_step_skipped: scheduler.step()`` holds its schedule."""
     st = optimizer_state(optimizer, "state")
-    return st.group.scaler.snapshot(st.group.policy)
+    shared = st.group.scaler.snapshot(st.group.policy)
+    if not st.own_skips:
+        return shared
+    return dataclasses.replace(
+        shared,
+        skipped_steps=shared.skipped_steps + st.own_skips,
+        last_step_skipped=shared.last_step_skipped or st.own_skip_at == shared.steps,
+    )

@@ -273,6 +273,8 @@ class OptimizerState:
         "models_checked",
         "optimizer",
         "overflows",
+        "own_skip_at",
+        "own_skips",
         "spare_grads",
         "tracker",
     )
@@ -306,6 +308,12 @@ class OptimizerState:
         """The stage of the iteration and the count of completed steps."""
         self.overflows: deque[OverflowRecord] = deque(maxlen=100)
         """The parameters that overflowed, per skipped step (filled only on a skip)."""
+        self.own_skips = 0
+        """Steps this optimizer skipped alone: a member of a round whose gradients were
+        written after the round's check and overflow (the round did not skip)."""
+        self.own_skip_at = -1
+        """The group scaler's step count at the latest of them (-1: none): while it is the
+        count, the latest step of this optimizer was skipped."""
         self.spare_grads: dict[int, SpareGrad] = {}
         """id(master) -> the float32 gradient memory ``zero_grad(set_to_none=True)`` took
         off that master, reused by the next cast into it (:mod:`.model_edits`) instead of

@@ -506,6 +506,8 @@ def _update(
     optimizer's own update runs on them (or the compensated strategy's) and the masters are
     copied into the model."""
     if st.iteration.checked is not None and _written_since_check(st, optimizer):
+        st.own_skips += 1  # the round was not skipped: state(optimizer) says this one was
+        st.own_skip_at = st.group.scaler.steps
         return
     lay = layout(st, optimizer)
     compensation = st.group.compensation
