@@ -85,7 +85,10 @@ def _positive_finite(name: str, value: object, fix: str) -> float:
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float
         number = math.nan
     if isinstance(value, bool) or not (math.isfinite(number) and number > 0):
-        raise PolicyError(f"{name} must be a positive finite number, got {value!r}; {fix}")
+        shown = repr(value)
+        if isinstance(value, int) and len(shown) > 40:
+            shown = f"an integer of {len(shown)} digits"
+        raise PolicyError(f"{name} must be a positive finite number, got {shown}; {fix}")
     return number
 
 
