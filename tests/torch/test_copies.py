@@ -40,6 +40,8 @@ def live_tensor_bytes() -> int:
         if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
             if type(obj).__module__.startswith("torch._subclasses"):
                 continue  # FakeTensor & co. that torch.compile left behind: no real memory
+            if obj.layout is not torch.strided:
+                continue  # a sparse tensor another test left alive: it has no one storage
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
