@@ -45,6 +45,7 @@ import torch
 from mixprec.errors import CheckpointError, PolicyError, WrapError
 from mixprec.kit import LOWBIT_FORMATS, SIGNED_KEYS, UNSIGNED_KEYS, StateFormat, state_map
 
+from ..step.optimizer_state import optimizer_state
 from ..torch_private import run_step_hooks
 from . import fused_step
 from .codec import code_count, dequantize, encode, quantize
@@ -386,9 +387,8 @@ def _guard_squares(optimizer: torch.optim.Optimizer) -> fused_step.Squares | Non
     read them (:meth:`mixprec_torch.cpu.grad_check.GuardPlan.squares_of`): the bound the
     fused step needs, without reading them again. The first ask makes the passes keep it
     (from the next step on)."""
-    st = getattr(optimizer, "_mixprec", None)
-    lay = getattr(st, "layout", None)
-    guard = getattr(lay, "guard_plan", None)
+    lay = optimizer_state(optimizer).layout
+    guard = None if lay is None else lay.guard_plan
     if guard is None:
         return None
     guard.keep_squares = True
