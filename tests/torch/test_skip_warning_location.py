@@ -90,7 +90,7 @@ def test_the_apex_drop_ins_skip_warning_points_at_the_users_loop_and_blames_no_r
 
 
 _WORKER = textwrap.dedent("""
-    import json, sys, warnings
+    import gc, json, sys, warnings
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -117,6 +117,13 @@ _WORKER = textwrap.dedent("""
     ]
     with open(out, "w") as f:
         json.dump(said, f)
+    # torch 2.13's gloo can abort at shutdown ("terminate called without an active
+    # exception") when one rank tears its group down while the other is still in a
+    # collective, or when the group outlives destroy_process_group() in a cycle: meet, collect,
+    # then destroy (the guide's shutting-down advice)
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 """)
 
