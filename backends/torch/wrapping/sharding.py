@@ -162,20 +162,25 @@ def check_user_mixed_precision(module: torch.nn.Module, policy: Policy) -> None:
     dtype when None), and mixprec would scale, save and report under a policy that is not
     what runs (float16 with no loss scaling under ``O2-bf16``).
 
-    The root's dtype must be the policy's ``param`` dtype; a submodule's may also be float32
-    (an island such as a BatchNorm). Under policies that keep float32 parameters (O0, O1)
-    every FSDP module must compute in float32, as the op casting expects.
+    The outermost FSDP modules' dtype (the root's, or that of a sharded submodule with no
+    FSDP module above it, as in a LightningModule whose ``configure_model`` shards
+    ``self.net``) must be the policy's ``param`` dtype; one inside another FSDP module may
+    also be float32 (an island such as a BatchNorm). Under policies that keep float32
+    parameters (O0, O1) every FSDP module must compute in float32, as the op casting expects.
 
     :raises WrapError: naming the module, FSDP's dtype, the policy and the recipe.
     """
     want = policy.param
+    sharded: list[str] = []
     for name, mod in module.named_modules():
         mp = fsdp_mixed_precision(mod)
         if mp is None:
             continue
+        outermost = not any(not up or name.startswith(f"{up}.") for up in sharded)
+        sharded.append(name)
         own = next((p.dtype for p in mod.parameters()), torch.float32)
         dtype = dtype_name(mp.param_dtype if mp.param_dtype is not None else own)
-        allowed = {want} if not name or want == "float32" else {want, "float32"}
+        allowed = {want} if outermost or want == "float32" else {want, "float32"}
         if dtype in allowed:
             continue
         where = f"submodule {name!r}" if name else "the model"
