@@ -67,14 +67,18 @@ from mixprec.kit import (
     Stage,
     get_policy,
     is_low_precision,
+    resolve_for_device,
 )
 
+from ..devices import capabilities, device_capability, device_key
 from ..o1.autocast import region
 from ..step.loop import master_params, state, unscale_
 from ..step.optimizer_state import WrapGroup, optimizer_state
+from ..wrapping.planning import first_device
+from ..wrapping.sharding import fully_shard_with_policy, is_fsdp_managed
 from ..wrapping.wrap import ModelRecord, wrap
 
-__all__ = ["FABRIC_RECIPE", "MixprecPrecision", "lightning_precision_name"]
+__all__ = ["FABRIC_RECIPE", "FSDP_RECIPE", "MixprecPrecision", "lightning_precision_name"]
 
 
 FABRIC_RECIPE = (
@@ -85,6 +89,18 @@ FABRIC_RECIPE = (
     "optimizer); then 'with mixprec.torch.scale_loss(loss, optimizer) as scaled: "
     "fabric.backward(scaled)', mixprec.torch.unscale_(optimizer) before "
     "fabric.clip_gradients(...), and optimizer.step()"
+)
+
+FSDP_RECIPE = (
+    "for FSDP under Lightning use FSDP2 through "
+    "strategy=lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<number of "
+    "processes>, tensor_parallel_size=1) and shard in the LightningModule's configure_model: "
+    "self.trainer.precision_plugin.fully_shard(self.net, mesh=self.device_mesh['data_parallel']) "
+    "(mixprec.torch.fully_shard_with_policy with the plugin's policy; a plain "
+    "torch.distributed.fsdp.fully_shard works too under policies that keep float32 parameters, "
+    "O1-bf16, O1, O0); MixprecPrecision then wraps the sharded module. Lightning's "
+    "FSDPStrategy (strategy='fsdp', FSDP1) takes only its own FSDPPrecision, and mixprec does "
+    "not support FSDP1"
 )
 
 
@@ -196,16 +212,15 @@ class MixprecPrecision(Precision):
             raise WrapError(
                 f"MixprecPrecision got the LightningModule already wrapped in "
                 f"{type(model).__name__} by the strategy; mixprec converts the bare module, "
-                "and supports Lightning's DDP strategies (strategy='ddp', 'ddp_spawn') and "
-                "single-device ones. For FSDP use Lightning's own precision, or your own loop "
-                "with mixprec.torch.fully_shard_with_policy and mixprec.torch.wrap"
+                "and supports Lightning's single-device strategies, its DDP strategies "
+                f"(strategy='ddp', 'ddp_spawn') and FSDP2: {FSDP_RECIPE}"
             )
         self._refuse_closure_optimizers(optimizers)
         record = getattr(model, "_mixprec", None)
         if isinstance(record, ModelRecord):
             self._reuse(record, optimizers)
         else:
-            wrap(model, list(optimizers), policy=self.policy)
+            self._wrap(model, optimizers)
             record = model._mixprec
             assert isinstance(record, ModelRecord)
         self._record = record
@@ -220,6 +235,41 @@ class MixprecPrecision(Precision):
         if ddp is not None:
             return _rebuild_ddp(ddp, model), optimizers, lr_schedulers
         return model, optimizers, lr_schedulers
+
+    def _wrap(self, model: LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:
+        """``wrap`` the module; under FSDP2 a refusal names the Lightning recipe too."""
+        if not is_fsdp_managed(model):
+            wrap(model, list(optimizers), policy=self.policy)
+            return
+        try:
+            wrap(model, list(optimizers), policy=self.policy)
+        except WrapError as err:
+            raise WrapError(
+                f"{err}. Under Lightning, shard in configure_model with "
+                "self.trainer.precision_plugin.fully_shard(module, "
+                "mesh=self.device_mesh['data_parallel']), which applies the plugin's policy"
+            ) from err
+
+    def fully_shard(
+        self, module: nn.Module, *, blocks: Any = (), **fully_shard_kwargs: Any
+    ) -> nn.Module:
+        """Shard ``module`` with FSDP2 under the plugin's policy, from ``configure_model``.
+
+        ``mixprec.torch.fully_shard_with_policy(module, policy, blocks=blocks,
+        **fully_shard_kwargs)`` with this plugin's policy; ``"auto"`` is resolved first for
+        the module's device (``wrap`` keeps that resolution). Pass the strategy's
+        data-parallel mesh: ``mesh=self.device_mesh["data_parallel"]`` under Lightning's
+        ``ModelParallelStrategy``. Returns ``module``, sharded in place.
+        """
+        if not self.policy.is_resolved:
+            device = first_device([module])
+            caps = capabilities() if device_capability(device) is not None else None
+            self.policy = resolve_for_device(self.policy, "torch", device_key(device), caps)
+            self.precision = lightning_precision_name(self.policy)
+        return fully_shard_with_policy(module, self.policy, blocks=blocks, **fully_shard_kwargs)
+
+    def __repr__(self) -> str:
+        return f"MixprecPrecision({str(self.policy)!r})"
 
     def _refuse_closure_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Refuse LBFGS-like optimizers under a policy their closure cannot run under."""
