@@ -17,7 +17,8 @@ step.
 path): the optimizer's own class is ``SGD``, ``Adam`` or ``AdamW`` with options the fused
 update honours (:func:`~mixprec_torch.cpu.update_rule.options_fusable`: no ``amsgrad``,
 ``capturable``, ``differentiable``); every parameter a contiguous float32 CPU tensor with a
-dense float32 gradient (or none: skipped, as torch skips it); every quantized
+dense float32 gradient (or none: skipped, as torch skips it; no ``DTensor``: FSDP2's shards
+take the generic path); every quantized
 parameter's state empty (its first step) or quantized under this format, with each key its
 rule needs; a float32-kept parameter's state float32.
 
@@ -59,6 +60,7 @@ from ..cpu import clib
 from ..cpu.update_rule import ADAM, algo_of, bias_corrections, hyper, options_fusable, rule_torch
 from ..step.optimizer_state import base_class
 from .codec import blocks_of, code_count, dequantize_torch, quantize_torch, tables
+from .shards import is_sharded
 
 __all__ = ["FORMAT_KEY", "GRAD_BOUND", "STATE_BOUND", "SUFFIX", "Moment", "Plan", "plan", "run"]
 
@@ -126,8 +128,11 @@ def _keys(algo: int, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
 
 
 def _is_cpu(t: object, dtype: torch.dtype) -> TypeGuard[torch.Tensor]:
+    """A plain contiguous CPU tensor of ``dtype`` (never a ``DTensor``: FSDP2's shards take
+    the generic path, :mod:`.shards`)."""
     return (
         isinstance(t, torch.Tensor)
+        and not is_sharded(t)
         and t.dtype == dtype
         and t.device.type == "cpu"
         and t.layout == torch.strided

@@ -47,10 +47,11 @@ from mixprec.kit import LOWBIT_FORMATS, SIGNED_KEYS, UNSIGNED_KEYS, StateFormat,
 
 from ..step.optimizer_state import optimizer_state
 from ..torch_private import run_step_hooks
-from . import fused_step
-from .codec import code_count, dequantize, encode, quantize
+from . import fused_step, shards
+from .codec import blocks_of, code_count, dequantize, encode, quantize
 from .fused_step import FORMAT_KEY
 from .fused_step import SUFFIX as _SUFFIX
+from .shards import Layout, is_sharded, layout_of, local
 
 __all__ = ["FORMAT_KEY", "LowBitState", "float32_state_dict", "supported_optimizer"]
 _KEYS = {**{k: True for k in SIGNED_KEYS}, **{k: False for k in UNSIGNED_KEYS}}
@@ -67,25 +68,36 @@ def _eagerly(fn: _F) -> _F:
 def _tag(fmt: StateFormat) -> tuple[int, int]:
     """The format as the state holds it: (its index in ``LOWBIT_FORMATS``, the block size).
     Ints, not text: torch's ``load_state_dict`` rebuilds every iterable value of the state
-    element by element, which turns a string into the text of a generator."""
+    element by element, which turns a string into the text of a generator. A parameter
+    FSDP2 shards adds the shard count (:func:`_tag_of`)."""
     return (LOWBIT_FORMATS.index(fmt.name), fmt.block)
 
 
+def _tag_of(tag: tuple[int, int], lay: Layout | None) -> tuple[int, ...]:
+    """The tag of one parameter's state: ``tag``, and under FSDP2 the shard count its codes
+    were cut into (:mod:`.shards`: codes of another count belong to other rows)."""
+    return tag if lay is None else (*tag, lay.shards)
+
+
 def _shown(tag: object) -> str:
-    """A tag as the policy text it stands for (``int8(block=256)``), or its repr."""
+    """A tag as the policy text it stands for (``int8(block=256)``, ``int8(block=256) in 2
+    shards``), or its repr."""
     found = _format_of(tag)
-    return repr(tag) if found is None else f"{found[0]}(block={found[1]})"
+    if found is None:
+        return repr(tag)
+    text = f"{found[0]}(block={found[1]})"
+    return text if found[2] is None else f"{text} in {found[2]} FSDP2 shards"
 
 
-def _format_of(tag: object) -> tuple[str, int] | None:
+def _format_of(tag: object) -> tuple[str, int, int | None] | None:
     if (
         not isinstance(tag, tuple | list)
-        or len(tag) != 2
+        or len(tag) not in (2, 3)
         or not all(isinstance(n, int) and not isinstance(n, bool) for n in tag)
         or not 0 <= tag[0] < len(LOWBIT_FORMATS)
     ):
         return None
-    return LOWBIT_FORMATS[tag[0]], tag[1]
+    return LOWBIT_FORMATS[tag[0]], tag[1], tag[2] if len(tag) == 3 else None
 
 
 def supported_optimizer(optimizer: torch.optim.Optimizer, base: type, fmt: StateFormat) -> None:
@@ -113,11 +125,21 @@ class LowBitState:
         self.fmt = fmt
         self.tag = _tag(fmt)
         self.names = dict(names)
-        self._held: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        self._held: list[_Codes] = []
         """The codes :meth:`widen` decoded, until :meth:`narrow` replaces them."""
+        self._layouts: dict[int, Layout | None] = {}
 
     def _quantized(self, param: torch.Tensor) -> bool:
+        # the whole parameter's size, also under FSDP2: every rank decides the same
         return self.fmt.quantizes(param.numel(), self.names.get(id(param)))
+
+    def _layout(self, param: torch.Tensor) -> Layout | None:
+        """Where the codes of a parameter FSDP2 shards live (:mod:`.shards`), None for a
+        plain tensor."""
+        key = id(param)
+        if key not in self._layouts:
+            self._layouts[key] = layout_of(param)
+        return self._layouts[key]
 
     def _params(self, optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
         for group in optimizer.param_groups:
@@ -131,18 +153,40 @@ class LowBitState:
         with torch.no_grad():
             for param in self._params(optimizer):
                 state = optimizer.state.get(param)
-                if not state or tuple(state.get(FORMAT_KEY, ())) != self.tag:
+                lay = self._layout(param)
+                tag = _tag_of(self.tag, lay)
+                if not state or tuple(state.get(FORMAT_KEY, ())) != tag:
                     continue
                 for key, signed in _KEYS.items():
                     codes = state.get(key)
                     scale = state.pop(key + _SUFFIX, None)
                     if codes is None or scale is None:
                         continue
-                    self._held.append((state, key, codes, scale))
-                    state[key] = dequantize(codes, scale, self.fmt, signed, param.numel()).view(
-                        param.shape
-                    )
+                    self._held.append((state, key, codes, scale, tag))
+                    state[key] = self._decoded(codes, scale, signed, param, lay)
                 del state[FORMAT_KEY]
+
+    def _decoded(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        signed: bool,
+        param: torch.Tensor,
+        lay: Layout | None,
+    ) -> torch.Tensor:
+        """The float32 moment (of ``param``'s shape; a ``DTensor`` like it under FSDP2)."""
+        if lay is not None:
+            return shards.decode(codes, scale, lay, self.fmt, signed, param)
+        return dequantize(codes, scale, self.fmt, signed, param.numel()).view(param.shape)
+
+    def _encoded(
+        self, value: torch.Tensor, signed: bool, lay: Layout | None
+    ) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor]:
+        """The codes, the absmax and whether every absmax is finite, of a float32 moment
+        (this rank's shard of it under FSDP2)."""
+        if lay is not None:
+            return shards.encode_shard(value, lay, self.fmt, signed)
+        return encode(value.detach().float(), self.fmt, signed)
 
     def narrow(self, optimizer: torch.optim.Optimizer) -> None:
         """After the update: every state tensor of a quantized parameter encoded again.
@@ -150,34 +194,42 @@ class LowBitState:
         :raises PolicyError: a state tensor holds inf or NaN; the state is left as before
             the step (codes and absmax).
         """
-        encoded: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        encoded: list[_Codes] = []
         finite: list[bool | torch.Tensor] = []  # per tensor: from the kernels' pass, or lazy
+        groups: dict[int, tuple[Any, torch.device]] = {}  # FSDP2's shard groups, in order
         with torch.no_grad():
             for param in self._params(optimizer):
                 state = optimizer.state.get(param)
                 if not state or not self._quantized(param):
                     continue
+                lay = self._layout(param)
+                if lay is not None:
+                    group = lay.group()
+                    groups.setdefault(id(group), (group, param.device))
                 for key, signed in _KEYS.items():
                     value = state.get(key)
                     if not _is_moment(value, param):
                         continue
-                    codes, scale, ok = encode(value.detach().float(), self.fmt, signed)
-                    encoded.append((state, key, codes, scale))
+                    codes, scale, ok = self._encoded(value, signed, lay)
+                    encoded.append((state, key, codes, scale, _tag_of(self.tag, lay)))
                     finite.append(ok)
             held, self._held = self._held, []
-            if not encoded:
+            if not encoded and not groups:
                 return
-            if not _all_true(finite):
-                bad = next(i for i, ok in enumerate(finite) if not bool(ok))
-                for state, key, codes, scale in held:  # the state as it was before the step
+            ok_here = _all_true(finite)
+            if not _agreed(ok_here, list(groups.values())):
+                for state, key, codes, scale, tag in held:  # the state as before the step
                     state[key] = codes
                     state[key + _SUFFIX] = scale
-                    state[FORMAT_KEY] = self.tag
+                    state[FORMAT_KEY] = tag
+                if ok_here:  # another rank's shard: every rank refuses the step alike
+                    raise self._non_finite_elsewhere()
+                bad = next(i for i, ok in enumerate(finite) if not bool(ok))
                 raise self._non_finite(optimizer, encoded[bad][0], encoded[bad][1])
-        for state, key, codes, scale in encoded:
+        for state, key, codes, scale, tag in encoded:
             state[key] = codes
             state[key + _SUFFIX] = scale
-            state[FORMAT_KEY] = self.tag
+            state[FORMAT_KEY] = tag
 
     @_eagerly
     def step_fused(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -214,6 +266,15 @@ class LowBitState:
             f"(keep={name}))"
         )
 
+    def _non_finite_elsewhere(self) -> PolicyError:
+        return PolicyError(
+            f"state={self.fmt}: the optimizer's update made a moment of another rank's shard "
+            "inf or NaN (FSDP2), which a quantized state cannot hold; every rank kept its "
+            "codes from before the step (that rank's error names the parameter). Lower the "
+            "learning rate or clip the gradients, or keep that parameter's state in float32 "
+            f"(state={self.fmt.name}(keep=<its name>))"
+        )
+
     # ------------------------------------------------------------------ checkpoints
 
     def check_state_dict(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
@@ -233,10 +294,12 @@ class LowBitState:
             param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
             named = param is not None and id(param) in self.names
             where = f"state {index}" + (f" ({self.names[id(param)]!r})" if named else "")
-            if found is None or tuple(tag) != self.tag:
+            lay = None if param is None else self._layout(param)
+            want = _tag_of(self.tag, lay)
+            if found is None or tuple(tag) != want:
                 raise CheckpointError(
                     f"the optimizer checkpoint's {where} was quantized as {_shown(tag)}, but "
-                    f"this optimizer keeps its state as {_shown(self.tag)} (policy "
+                    f"this optimizer keeps its state as {_shown(want)} (policy "
                     f"state={self.fmt}). "
                     "Wrap with the checkpoint's state format, or convert the checkpoint: load "
                     "it into an optimizer wrapped with its format and save "
@@ -249,21 +312,32 @@ class LowBitState:
                 codes, scale = entry.get(key), entry.get(key + _SUFFIX)
                 if codes is None and scale is None:
                     continue
-                blocks = -(-param.numel() // self.fmt.block)
+                if lay is None:
+                    count, blocks = (
+                        code_count(self.fmt, param.numel()),
+                        blocks_of(self.fmt, param.numel()),
+                    )
+                    fits = f"{param.numel()} elements"
+                else:  # this rank's part (the shard's padded rows)
+                    count, blocks = lay.codes(self.fmt), lay.blocks(self.fmt)
+                    fits = f"{lay.padded} elements on this rank (of {param.numel()})"
                 if (
                     not isinstance(codes, torch.Tensor)
                     or not isinstance(scale, torch.Tensor)
+                    or (lay is not None and not (is_sharded(codes) and is_sharded(scale)))
                     or codes.dtype != torch.uint8
-                    or codes.numel() != code_count(self.fmt, param.numel())
-                    or scale.numel() != blocks
+                    or local(codes).numel() != count
+                    or local(scale).numel() != blocks
                     or not scale.is_floating_point()
                 ):
                     raise CheckpointError(
                         f"the optimizer checkpoint's {where} {key} does not fit its parameter "
-                        f"of {param.numel()} elements under {_shown(self.tag)} (expected "
-                        f"{code_count(self.fmt, param.numel())} uint8 codes and {blocks} "
-                        "float32 absmax); the checkpoint belongs to another model or is damaged"
+                        f"of {fits} under {_shown(want)} (expected {count} uint8 codes and "
+                        f"{blocks} float32 absmax"
+                        + (", DTensors like the parameter" if lay is not None else "")
+                        + "); the checkpoint belongs to another model or is damaged"
                     )
+                codes, scale = local(codes), local(scale)  # this rank's part is checked
                 if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
                     raise CheckpointError(
                         f"the optimizer checkpoint's {where} {key}.absmax holds inf, NaN or a "
@@ -289,7 +363,7 @@ class LowBitState:
                     continue
                 if FORMAT_KEY in state:
                     # torch cast every state tensor to the parameter's dtype: the codes to
-                    # float32 (exact: integers below 256), so back to uint8
+                    # float32 (exact: integers below 256), so back to uint8 (DTensors too)
                     for key in _KEYS:
                         if key + _SUFFIX in state:
                             state[key] = state[key].to(torch.uint8)
@@ -300,32 +374,52 @@ class LowBitState:
                     self._encode(state, param)
 
     def _decode(self, state: dict[str, Any], param: torch.Tensor) -> None:
+        lay = self._layout(param)
         for key, signed in _KEYS.items():
             scale = state.pop(key + _SUFFIX, None)
             if scale is not None and key in state:
-                state[key] = (
-                    dequantize(state[key], scale, self.fmt, signed, param.numel())
-                    .view(param.shape)
-                    .to(param.dtype)
-                )
+                state[key] = self._decoded(state[key], scale, signed, param, lay).to(param.dtype)
         state.pop(FORMAT_KEY, None)
 
     def _encode(self, state: dict[str, Any], param: torch.Tensor) -> None:
+        lay = self._layout(param)
         for key, signed in _KEYS.items():
             value = state.get(key)
             if _is_moment(value, param):
-                state[key], state[key + _SUFFIX] = quantize(value.float(), self.fmt, signed)
-                state[FORMAT_KEY] = self.tag
+                if lay is None:
+                    state[key], state[key + _SUFFIX] = quantize(value.float(), self.fmt, signed)
+                else:
+                    state[key], state[key + _SUFFIX], _ = self._encoded(value, signed, lay)
+                state[FORMAT_KEY] = _tag_of(self.tag, lay)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-        """(bytes of optimizer state tensors, parameters) between steps, for reports."""
+        """(bytes of optimizer state tensors, parameters) between steps, for reports: this
+        rank's shards under FSDP2."""
         total = params = 0
         for param in self._params(optimizer):
-            params += param.numel()
+            params += local(param).numel()
             for value in (optimizer.state.get(param) or {}).values():
-                if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    total += value.numel() * value.element_size()
+                if isinstance(value, torch.Tensor) and local(value).numel() > 1:
+                    part = local(value)
+                    total += part.numel() * part.element_size()
         return total, params
+
+
+_Codes = tuple[dict[str, Any], str, torch.Tensor, torch.Tensor, tuple[int, ...]]
+"""A state, a key, its codes, its absmax and the parameter's tag."""
+
+
+def _agreed(ok: bool, groups: list[tuple[Any, torch.device]]) -> bool:
+    """Whether every rank of each shard group (FSDP2) found its new moments finite: one
+    all-reduce (MIN) per group, on the device of its parameters, so every rank keeps or
+    refuses the step alike; ``ok`` where no parameter is sharded."""
+    import torch.distributed as dist
+
+    for group, device in groups:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        ok = bool(flag.item())
+    return ok
 
 
 def _all_true(flags: list[bool | torch.Tensor]) -> bool:
@@ -341,6 +435,7 @@ def _largest_code(codes: torch.Tensor, fmt: StateFormat) -> int:
     """The largest code in ``codes`` (each nibble for 4 bits), 0 for none."""
     if not codes.numel():
         return 0
+    codes = local(codes)
     if fmt.bits == 4:
         return int(torch.maximum(codes & 15, codes >> 4).max())
     return int(codes.max())

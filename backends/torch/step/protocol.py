@@ -464,7 +464,10 @@ def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) 
     ends either way (:func:`_end`)."""
     st = optimizer_state(self, "optimizer.step()")
     if closure is None and is_dcp_init_step(st, self):  # DCP's dummy step: never counted
-        return base_class(self).step(self)
+        out = base_class(self).step(self)
+        if st.group.lowbit is not None:  # a low-bit state: DCP's template holds codes too
+            st.group.lowbit.narrow(self)
+        return out
     if not st.models_checked:  # the models still hold the params wrap converted
         check_first_step(st, self)
     attrs = vars(self)

@@ -46,6 +46,7 @@ from ..copies import CopyOnly
 from ..devices import capabilities, device_capability
 from ..dtypes import dtype_name, refuse_complex
 from ..fp8.layers import FP8Layers, plan_fp8
+from ..lowbit.shards import refusal as sharding_refusal
 from ..lowbit.state import supported_optimizer
 from ..o1.autocast import OpCasting
 from ..o1.autocast_kernels import foreign
@@ -174,24 +175,33 @@ def plan_wrap(
     plan = WrapPlan(models, optimizers, params, policy, device, fsdp, castings, planned, fp8)
     names = {pid: name for pid, (name, _) in params.items()}
     _lint(optimizers, policy, names, planned, plan.masters_on)
-    _check_lowbit(optimizers, policy, fsdp)
+    _check_lowbit(optimizers, policy, names)
     return plan
 
 
-def _check_lowbit(optimizers: Sequence[torch.optim.Optimizer], policy: Policy, fsdp: bool) -> None:
-    """Refuse a low-bit ``state`` for optimizers whose state it cannot quantize, and under
-    FSDP (whose sharded state it does not quantize yet)."""
+def _check_lowbit(
+    optimizers: Sequence[torch.optim.Optimizer], policy: Policy, names: dict[int, str]
+) -> None:
+    """Refuse a low-bit ``state`` for optimizers whose state it cannot quantize, and for a
+    parameter sharded otherwise than by rows (FSDP2's ``Shard(0)``, ``Replicate`` on other
+    mesh dimensions), whose shards the state cannot quantize one by one."""
     fmt = parse_state_format(policy.state) if policy.state is not None else None
     if fmt is None:
         return
-    if fsdp and optimizers:
-        raise WrapError(
-            f"state={fmt} is not supported under FSDP yet: the sharded optimizer state would "
-            "have to be quantized per shard and checkpointed through DCP, which mixprec does "
-            "not do. Use DDP (the state is quantized on each rank), or drop state=..."
-        )
     for opt in optimizers:
         supported_optimizer(opt, getattr(type(opt), "_mixprec_base", type(opt)), fmt)
+        for group in opt.param_groups:
+            for param in group["params"]:
+                name = names.get(id(param))
+                why = sharding_refusal(param)
+                if why is None or not fmt.quantizes(param.numel(), name):
+                    continue
+                raise WrapError(
+                    f"state={fmt} quantizes each rank's shard of a parameter FSDP2 shards by "
+                    f"rows (Shard(0)), but parameter {name!r} is sharded with {why} (a "
+                    "shard_placement_fn, or tensor parallelism). Shard it by rows, keep its "
+                    f"state in float32 (state={fmt.name}(keep={name})), or drop state=..."
+                )
 
 
 def _wrapped_parallel(model: nn.Module) -> str | None:
