@@ -15,10 +15,12 @@ Each config is ``<precision>-<policy>[-<how>]``:
   (``mixprec.torch.fully_shard_with_policy`` with the plugin's policy, ``auto`` resolved);
 - ``mixprec-<policy>-plain``: the same plugin over a plain ``fully_shard`` (under O2-bf16
   ``fit`` refuses it);
-- tags: ``adam`` (Adam instead of SGD), ``grow`` (a dynamic loss scale that doubles at every
-  step), ``save`` (one epoch of 2 steps, a checkpoint, then a second epoch resumed from it
-  by a fresh Trainer and module), ``full`` (the same 2 epochs uninterrupted), ``file`` (the
-  strategy's single-file checkpoint, ``save_distributed_checkpoint=False``).
+- tags: ``adam`` (Adam instead of SGD), ``clip`` (``gradient_clip_val=0.5``), ``validate``
+  (``trainer.validate`` after ``fit``: ``val_loss`` joins the results), ``grow`` (a dynamic
+  loss scale that doubles at every step), ``save`` (one epoch of 2 steps, a checkpoint, then
+  a second epoch resumed from it by a fresh Trainer and module), ``full`` (the same 2 epochs
+  uninterrupted), ``file`` (the strategy's single-file checkpoint,
+  ``save_distributed_checkpoint=False``).
 
 Each rank writes ``WORKDIR/<config>-rank<RANK>.json`` (or ``...-error.json`` with a refusal).
 """
@@ -78,6 +80,10 @@ class Tiny(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch: Any, index: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).float(), y), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -121,7 +127,7 @@ def data() -> TensorDataset:
     return TensorDataset(x, torch.randint(0, 3, (64,), generator=gen))
 
 
-def trainer(precision: Any, epochs: int, one_file: bool = False) -> L.Trainer:
+def trainer(precision: Any, epochs: int, one_file: bool = False, clip: float = 0.0) -> L.Trainer:
     """Lightning's FSDP2 recipe on 2 CPU processes; each epoch is 2 steps (a checkpoint at an
     epoch's end resumes at the next batch: Lightning restarts a mid-epoch one at batch 0)."""
     plugins = [] if isinstance(precision, str) else [precision]
@@ -133,6 +139,8 @@ def trainer(precision: Any, epochs: int, one_file: bool = False) -> L.Trainer:
         ),
         max_epochs=epochs,
         limit_train_batches=2,
+        limit_val_batches=2,
+        gradient_clip_val=clip or None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -152,7 +160,7 @@ def plugin_or_name(kind: str, policy: str, how: set[str]) -> Any:
 def run_one(name: str, workdir: Path) -> None:
     out = workdir / name
     parts = name.split("-")
-    tags = {"plain", "save", "full", "adam", "grow", "file"}
+    tags = {"plain", "save", "full", "adam", "grow", "file", "clip", "validate"}
     kind, policy = parts[0], "-".join(p for p in parts[1:] if p not in tags)
     how = set(parts[1:]) & tags
     shard = "plugin" if kind == "mixprec" and "plain" not in how else "plain"
@@ -169,7 +177,13 @@ def run_one(name: str, workdir: Path) -> None:
             second.fit(Tiny(out, shard, optimizer), loader, ckpt_path=ckpt)
         else:
             module = Tiny(out, shard, optimizer)
-            trainer(plugin_or_name(kind, policy, how), EPOCHS).fit(module, loader)
+            fit = trainer(plugin_or_name(kind, policy, how), EPOCHS, clip=0.5 * ("clip" in how))
+            fit.fit(module, loader)
+            if "validate" in how:  # the same Trainer and module: the plugin keeps its wrap
+                (metrics,) = fit.validate(module, loader, verbose=False)
+                rank = torch.distributed.get_rank()
+                path = out.with_name(f"{name}-rank{rank}.json")
+                path.write_text(json.dumps({**json.loads(path.read_text()), **metrics}))
     except MixprecError as err:  # a refusal, written for the test; anything else fails the run
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
         error = {"type": type(err).__name__, "message": str(err)}

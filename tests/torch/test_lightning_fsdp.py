@@ -98,7 +98,9 @@ def test_fsdp2_with_the_plugin_matches_lightnings_bf16_mixed(tmp_path: Path) -> 
         "mixprec-O2-bf16-plain",
         "mixprec-auto",
     ]
-    got = _results(tmp_path, configs)
+    clipped = ["lightning-bf16-mixed-clip-validate"]
+    clipped += [f"mixprec-{p}-clip-validate" for p in ("O1-bf16", "O2-bf16")]
+    got = _results(tmp_path, configs + clipped)
     theirs = got["lightning-bf16-mixed"]
     assert theirs[0]["params"] == theirs[1]["params"] and theirs[0]["sharded"]
     assert theirs[0]["losses"] != theirs[1]["losses"]  # each rank saw its own data
@@ -112,6 +114,13 @@ def test_fsdp2_with_the_plugin_matches_lightnings_bf16_mixed(tmp_path: Path) -> 
             assert mine["steps"] == 4 and mine["skipped"] == 0 and mine["global_step"] == 4
             assert mine["consensus_is_mesh_group"]  # skips agreed over FSDP's mesh
             assert mine["precision"] == "bf16-mixed"
+    # gradient_clip_val clips the same float32 gradients; validate after fit reuses the wrap
+    for name in clipped[1:]:
+        for r, (mine, lightning) in enumerate(zip(got[name], got[clipped[0]], strict=True)):
+            assert mine["losses"] == lightning["losses"], f"{name} rank {r}"
+            assert mine["params"] == lightning["params"], f"{name} rank {r}"
+            assert mine["val_loss"] == lightning["val_loss"], f"{name} rank {r}"
+            assert mine["params"] != theirs[r]["params"]  # the clipping did something
     for refused in got["mixprec-O2-bf16-plain"]:  # a plain fully_shard computes in float32
         assert refused["type"] == "WrapError"
         assert "FSDP computes in float32" in refused["message"]
