@@ -9,8 +9,23 @@ scaler, the masters and the step stay ``mixprec.torch.wrap``'s:
   their step counter). Lightning's DDP strategies (``"ddp"``, ``"ddp_spawn"``) wrap the
   module in DDP before ``connect``: the plugin converts the module inside, then has the
   strategy build its DDP again over the converted parameters (the first DDP's buckets were
-  laid out for float32); the overflow consensus runs over that DDP's process group. FSDP
-  strategies are refused with a ``WrapError``.
+  laid out for float32); the overflow consensus runs over that DDP's process group.
+- FSDP2: Lightning's ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``.
+  The module shards itself in ``configure_model`` (before ``connect``) with the plugin's
+  :meth:`MixprecPrecision.fully_shard` (``fully_shard_with_policy`` with the plugin's policy,
+  ``auto`` resolved for the module's device) or, under policies with float32 parameters
+  (O1-bf16, O1, O0), a plain ``fully_shard``; ``connect`` then wraps the LightningModule as
+  ``wrap`` does an FSDP2 model (FSDP's float32 shards are the masters; the consensus runs over
+  the mesh's group). ``wrap``'s refusal of a sharding that computes in another dtype than the
+  policy (a plain ``fully_shard`` under O2-bf16) names the plugin's ``fully_shard``. Trained
+  bit for bit as Lightning's ``bf16-mixed`` under the same strategy (O1-bf16 and O2-bf16, two
+  CPU ranks); the strategy's DCP and single-file checkpoints resume exactly. Tensor
+  parallelism is untested.
+- Lightning's ``FSDPStrategy`` (``strategy="fsdp"``, FSDP1) is not supported: Lightning
+  accepts only its ``FSDPPrecision`` there (a ``TypeError`` when the Trainer is built) and
+  needs a GPU for it, and mixprec does not support FSDP1. A strategy that hands ``connect``
+  its module wrapped in anything but DDP gets a ``WrapError`` naming the FSDP2 recipe
+  (:data:`FSDP_RECIPE`).
 - ``pre_backward`` multiplies the loss by the loss scale (in float32), as ``scale_loss``
   does. Like ``torch.amp.GradScaler`` under Lightning's own ``MixedPrecision`` plugin, a
   backward pass is not tied to an optimizer: the next ``optimizer_step`` (or
