@@ -607,13 +607,21 @@ def test_a_parameter_replaced_after_wrap_is_refused_at_the_first_step() -> None:
 
 
 @needs_gloo
-def test_low_bit_state_under_fsdp2_is_refused_before_anything_changes(
-    one_rank_group: Any,
-) -> None:
+def test_low_bit_state_under_fsdp2_is_quantized_per_shard(one_rank_group: Any) -> None:
+    """Once refused at wrap; now each rank keeps its shard's codes (tests/torch/
+    test_lowbit_fsdp.py checks them against a reference on two ranks)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    fully_shard_with_policy(model, "O2-bf16,state=int8")
+    policy = "O2-bf16,state=int8(min_size=0)"
+    fully_shard_with_policy(model, policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(mixprec.WrapError, match=r"not supported under FSDP yet.*Use DDP"):
-        mixprec.torch.wrap(model, optimizer, policy="O2-bf16,state=int8")
-    assert not hasattr(optimizer, "_mixprec")
+    model, optimizer = mixprec.torch.wrap(model, optimizer, policy=policy)
+    optimizer.zero_grad()
+    loss = model(torch.ones(2, 4)).float().square().mean()
+    with mixprec.torch.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    state = optimizer.state[model[0].weight]
+    assert type(state["exp_avg"]).__name__ == "DTensor"
+    assert state["exp_avg"].dtype == torch.uint8 and state["mixprec.state"] == (0, 256, 1)
+    assert local_tensor(state["exp_avg.absmax"]).numel() == 1
