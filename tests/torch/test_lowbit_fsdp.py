@@ -206,11 +206,17 @@ def one_rank_group() -> Any:
         torch.distributed.destroy_process_group()
 
 
-def _sharded(policy: str, **kwargs: Any) -> tuple[Any, Any]:
+def _optimizer(kind: str, params: Any) -> Any:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _sharded(policy: str, kind: str = "adam", **kwargs: Any) -> tuple[Any, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     fully_shard_with_policy(model, policy, **kwargs)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, _optimizer(kind, model.parameters())
 
 
 def _step(model: Any, optimizer: Any) -> None:
@@ -223,21 +229,29 @@ def _step(model: Any, optimizer: Any) -> None:
 
 @needs_gloo
 @pytest.mark.parametrize(
-    ("base", "spec"),
-    [("O2-bf16", "int8(block=32,min_size=0)"), ("O0", "int4(block=32,min_size=0)")],
+    ("base", "spec", "kind"),
+    [
+        ("O2-bf16", "int8(block=32,min_size=0)", "adam"),
+        ("O0", "int4(block=32,min_size=0)", "adam"),
+        ("O2-bf16", "fp8(block=32,min_size=0)", "sgd"),
+    ],
 )
 def test_low_bit_state_under_fsdp2_trains_on_one_rank(
-    one_rank_group: Any, base: str, spec: str
+    one_rank_group: Any, base: str, spec: str, kind: str
 ) -> None:
-    """What replaced the refusal: wrap takes state=int8 under FSDP2; the moments are kept
-    as codes of the shard (DTensors), the same codes as the whole tensor's on one rank."""
+    """What replaced the refusal: wrap takes a low-bit state under FSDP2; the moments are
+    kept as codes of the shard (DTensors), the same codes as the whole tensor's on one rank."""
     policy = f"{base},state={spec}"
-    model, optimizer = _sharded(policy)
+    model, optimizer = _sharded(policy, kind)
     model, optimizer = mixprec.torch.wrap(model, optimizer, policy=policy)
     plain = [local(p).detach().clone().requires_grad_() for p in model.parameters()]
-    reference = torch.optim.Adam(plain, lr=1e-2)
+    reference = _optimizer(kind, plain)
     fmt = parse_state_format(spec)
-    keys = (("exp_avg", True), ("exp_avg_sq", False))
+    keys = (
+        (("exp_avg", True), ("exp_avg_sq", False))
+        if kind == "adam"
+        else (("momentum_buffer", True),)
+    )
     codes: dict[int, dict[str, Any]] = {}
     for _ in range(3):
         _step(model, optimizer)
@@ -253,7 +267,7 @@ def test_low_bit_state_under_fsdp2_trains_on_one_rank(
     for i, (p, q) in enumerate(zip(model.parameters(), plain, strict=True)):
         assert torch.equal(local(p).detach(), q.detach())
         state = optimizer.state[p]
-        assert state["mixprec.state"] == (0 if spec.startswith("int8") else 1, 32, 1)
+        assert state["mixprec.state"] == (("int8", "int4", "fp8").index(spec.split("(")[0]), 32, 1)
         for key, _ in keys:
             assert type(state[key]).__name__ == "DTensor"
             assert torch.equal(local(state[key]), codes[i][key][0])
