@@ -34,14 +34,21 @@ KEYS = (("exp_avg", True), ("exp_avg_sq", False))
 
 
 def make_model() -> torch.nn.Module:
-    """Uneven shards on two ranks: the head's 3 rows are 2 + 1 (rank 1's padded to 2)."""
+    """Uneven shards on two ranks: the third Linear's 3 rows are 2 + 1 (rank 1's padded to 2),
+    the last one's single row is rank 0's alone (rank 1's shards are empty, all padding)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 3),
+        torch.nn.ReLU(),
+        torch.nn.Linear(3, 1),
+    )
 
 
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(8, 8, generator=gen), torch.randn(8, 3, generator=gen)
+    return torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen)
 
 
 def build(policy: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -146,12 +146,12 @@ def test_each_ranks_state_memory_is_its_shards(ranks: dict[str, list[dict[str, A
     spec = "int8(block=32,min_size=0)"
     for r in ranks["lowbit_fsdp_train"]:
         total, params = r[f"{spec}.state_bytes"]
-        # this rank's shards: 64 + 8 + 32 (+16 padding on rank 1) + 2 (+1) elements
-        assert params in (106, 89)
+        # this rank's shards: 64 + 8 + 32 (+16 padding on rank 1) + 2 (+1) + 3 (+3) + 1 (+1)
+        assert params in (110, 89)
         # two moments: a code byte per padded element (the same on both ranks) and a
         # float32 absmax per block (state_bytes leaves out one-element tensors: the step
-        # counters, and here the absmax of the three one-block shards)
-        padded = 64 + 8 + 32 + 2
+        # counters, the last bias's one code, and the absmax of the five one-block shards)
+        padded = 64 + 8 + 32 + 2 + 3
         assert total == 2 * (padded + 4 * 2)
         assert total < 2 * 4 * params / 3  # under a third of this rank's float32 moments
 
