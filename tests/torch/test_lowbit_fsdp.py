@@ -374,3 +374,32 @@ def test_dcp_with_low_bit_state_of_a_plain_model_resumes_exactly(tmp_path: Path)
         assert all(
             torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
         )
+
+
+@needs_gloo
+def test_torchs_own_dcp_state_dicts_load_sharded_codes(one_rank_group: Any) -> None:
+    """torch's set_state_dict passes the state keyed by parameter name: the checks pair the
+    keys with the parameters through the param groups, as torch's load_state_dict does."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    policy = "O2-bf16,state=int8(block=32,min_size=0)"
+    model, optimizer = _sharded(policy)
+    model, optimizer = mixprec.torch.wrap(model, optimizer, policy=policy)
+    _step(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    assert optim_sd["state"]["0.weight"]["mixprec.state"] == (0, 32, 1)
+    model2, optimizer2 = _sharded(policy)
+    model2, optimizer2 = mixprec.torch.wrap(model2, optimizer2, policy=policy)
+    # a copy: torch's load keeps the "step" tensors (and same-dtype tensors) it is given
+    set_state_dict(
+        model2, optimizer2, model_state_dict=model_sd, optim_state_dict=copy.deepcopy(optim_sd)
+    )
+    _step(model, optimizer)
+    _step(model2, optimizer2)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(local(p), local(q))
+        assert torch.equal(
+            local(optimizer.state[p]["exp_avg"]), local(optimizer2.state[q]["exp_avg"])
+        )

@@ -277,21 +277,28 @@ class LowBitState:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def check_state_dict(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
-        """Refuse a state dict's ``state`` written under another format or block size, or
-        with codes that do not fit its parameter, before anything is loaded.
+    def check_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: Any, groups: Any = None
+    ) -> None:
+        """Refuse a state dict's ``state`` written under another format or block size (or
+        shard count), or with codes that do not fit its parameter, before anything is loaded.
 
+        :param groups: the state dict's ``param_groups``, whose ``params`` name the state's
+            keys in the optimizer's order (as torch's ``load_state_dict`` pairs them: ints,
+            or the parameter names torch's DCP ``set_state_dict`` passes); else the keys are
+            taken as positions.
         :raises CheckpointError: what is wrong and how to convert it.
         """
         if not isinstance(state, Mapping):
             return
         params = list(self._params(optimizer))
+        owners = _owners(params, groups)
         for index, entry in state.items():
             if not isinstance(entry, Mapping) or FORMAT_KEY not in entry:
                 continue
             tag = entry[FORMAT_KEY]
             found = _format_of(tag)
-            param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+            param = owners.get(index) if isinstance(index, int | str) else None
             named = param is not None and id(param) in self.names
             where = f"state {index}" + (f" ({self.names[id(param)]!r})" if named else "")
             lay = None if param is None else self._layout(param)
@@ -403,6 +410,17 @@ class LowBitState:
                     part = local(value)
                     total += part.numel() * part.element_size()
         return total, params
+
+
+def _owners(params: list[torch.Tensor], groups: Any) -> dict[Any, torch.Tensor]:
+    """The parameter each key of a state dict's ``state`` stands for: paired through its
+    ``param_groups`` as torch pairs them, else by position."""
+    keys: list[Any] = list(range(len(params)))
+    if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups):
+        saved = [k for g in groups for k in g.get("params", ())]
+        if len(saved) == len(params) and all(isinstance(k, int | str) for k in saved):
+            keys = saved
+    return dict(zip(keys, params, strict=True))
 
 
 _Codes = tuple[dict[str, Any], str, torch.Tensor, torch.Tensor, tuple[int, ...]]

@@ -374,7 +374,9 @@ def load_optimizer_state_dict(self: torch.optim.Optimizer, state_dict: dict[str,
     if st is not None:
         _check_finite_state(state_dict.get("state"))
         if st.group.lowbit is not None:
-            st.group.lowbit.check_state_dict(self, state_dict.get("state"))
+            st.group.lowbit.check_state_dict(
+                self, state_dict.get("state"), state_dict.get("param_groups")
+            )
     base = base_class(self)
     base.load_state_dict(self, state_dict)
     if st is not None and st.group.compensation is not None:
