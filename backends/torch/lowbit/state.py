@@ -27,6 +27,12 @@ step whose moments could become inf or NaN is left to them, and so to the same r
 codec itself runs in the C kernels there (:mod:`.codec`), which count the non-finite blocks
 in the same pass.
 
+Under FSDP2 (parameters and moments are ``DTensor`` s sharded by rows) each rank keeps the
+codes and absmax of its own shard only, as 1-D ``DTensor`` s over the parameter's mesh
+(:mod:`.shards`), and the tag adds the shard count; the fused step does not take them (the
+generic path runs), and :meth:`LowBitState.narrow` agrees with the other ranks of the shard
+group (one all-reduce) before it keeps or refuses the step, so every rank does the same.
+
 Loading (:meth:`LowBitState.check_state_dict` before anything changes, then
 :meth:`LowBitState.adopt`): codes written under another format or block size are refused;
 a float32 state (a checkpoint of an unwrapped optimizer, or of ``state=None``) is quantized
@@ -467,7 +473,8 @@ def _is_moment(value: object, param: torch.Tensor) -> TypeGuard[torch.Tensor]:
 
 def float32_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every quantized state tensor decoded into float32 of
-    its parameter's shape: a checkpoint that loads under any state format, and into an
+    its parameter's shape (a ``DTensor`` like it under FSDP2, which DCP can reshard): a
+    checkpoint that loads under any state format, and into an
     unwrapped optimizer (the way back from a low-bit policy; load a quantized checkpoint
     into an optimizer wrapped with its format first).
 
