@@ -233,6 +233,15 @@ def lowbit_fsdp_checkpoint(rank: int, world: int) -> Result:
         step(model2, optimizer2, rank)
     out["per_rank_continued_equal"] = same(snapshot(model2, optimizer2), snapshot(model, optimizer))
 
+    # rank 1's part of the checkpoint written under another block size: both ranks refuse
+    buf.seek(0)
+    damaged = torch.load(buf, weights_only=True)["optim"]
+    if rank == 1:
+        damaged["state"][0]["mixprec.state"] = (0, 64, 2)
+    before = snapshot(model2, optimizer2)
+    out["one_rank_refused"] = base._raised(lambda: optimizer2.load_state_dict(damaged))
+    out["one_rank_refused_unchanged"] = same(snapshot(model2, optimizer2), before)
+
     # DCP
     model, optimizer = build(policy)
     for _ in range(2):

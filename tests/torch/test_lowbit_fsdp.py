@@ -164,6 +164,12 @@ def test_optimizer_state_dicts_under_fsdp2_resume_exactly(
         assert r["per_rank_codes_in_state_dict"] == "torch.uint8"
         assert r["per_rank_resumed_equal"]
         assert r["per_rank_continued_equal"]
+    # a part one rank refuses is refused by every rank, none loading anything
+    r0, r1 = ranks["lowbit_fsdp_checkpoint"]
+    assert r1["one_rank_refused"].startswith("CheckpointError: the optimizer checkpoint's ")
+    assert "int8(block=64) in 2 FSDP2 shards" in r1["one_rank_refused"]
+    assert r0["one_rank_refused"].startswith("CheckpointError: another rank refused its part")
+    assert r0["one_rank_refused_unchanged"] and r1["one_rank_refused_unchanged"]
 
 
 @two_ranks

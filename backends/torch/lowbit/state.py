@@ -293,8 +293,39 @@ class LowBitState:
             keys in the optimizer's order (as torch's ``load_state_dict`` pairs them: ints,
             or the parameter names torch's DCP ``set_state_dict`` passes); else the keys are
             taken as positions.
-        :raises CheckpointError: what is wrong and how to convert it.
+        :raises CheckpointError: what is wrong and how to convert it; under FSDP2 on every
+            rank of a shard group when one rank refuses its part (one all-reduce), so that
+            no rank loads while another keeps its state.
         """
+        shard_groups = self._shard_groups(optimizer)
+        if not shard_groups:
+            self._check_entries(optimizer, state, groups)
+            return
+        try:
+            self._check_entries(optimizer, state, groups)
+        except Exception:  # the other ranks wait in the agreement: join it, then raise
+            _agreed(False, shard_groups)
+            raise
+        if not _agreed(True, shard_groups):
+            raise CheckpointError(
+                "another rank refused its part of the optimizer checkpoint (under FSDP2 each "
+                "rank checks the codes of its own shards); nothing was loaded on any rank. "
+                "That rank's error says what is wrong"
+            )
+
+    def _shard_groups(self, optimizer: torch.optim.Optimizer) -> list[tuple[Any, torch.device]]:
+        """The shard groups of the quantized parameters FSDP2 shards (and their device), in
+        the optimizer's order: the same on every rank."""
+        found: dict[int, tuple[Any, torch.device]] = {}
+        for param in self._params(optimizer):
+            lay = self._layout(param)
+            if lay is not None and self._quantized(param):
+                group = lay.group()
+                found.setdefault(id(group), (group, param.device))
+        return list(found.values())
+
+    def _check_entries(self, optimizer: torch.optim.Optimizer, state: Any, groups: Any) -> None:
+        """:meth:`check_state_dict` on this rank."""
         if not isinstance(state, Mapping):
             return
         params = list(self._params(optimizer))
