@@ -56,7 +56,7 @@
 #define MP_CHUNK 128
 #define MP_MAX_THREADS 64
 
-#define MP_ABI 5
+#define MP_ABI 6
 
 /* The sha-256 prefix of this file as built (set by the build; "unknown" without it): the
  * loader refuses a library built from another version of the source (a stale in-place build
@@ -742,23 +742,35 @@ float mp_maxabs(int64_t count, const uint64_t *src, const int32_t *dt, const int
  * nibble after an odd last element.
  *
  * The search. A binary search over 255 midpoints is eight dependent loads an element, the
- * slowest part of a step by far; instead each float32 n maps to a 32-bit key that orders as
- * the floats do (-0 made +0 first, as the comparison sees them equal), and an index of 65536
- * entries, built from the midpoints (mp_lowbit_index), answers for every value of the key's
- * upper 16 bits: how many midpoints lie below that bucket, and the low 16 bits of the key of
- * the one midpoint inside it (if any). A bucket holding two midpoints or more, or NaN, is
- * marked, and its elements take the binary search: every answer is the search's. */
+ * slowest part of a step by far; instead an index of buckets answers in one load and one
+ * compare. Each float32 n maps to a 32-bit key that orders as the floats do (-0 made +0
+ * first, as the comparison sees them equal); a bucket is a run of 2^shift keys, shift = 23 - M
+ * (M mantissa bits: the smallest of 3 .. 7 that leaves no bucket with two midpoints, chosen
+ * per map by mp_lowbit_index). Only the buckets the map spans are kept: the magnitude |n| is
+ * first clamped to [lo, hi], lo the start of the bucket below the smallest |midpoint| and hi
+ * that of the bucket above the largest (every magnitude below lo, or above hi, has lo's code,
+ * or hi's, with its sign: no midpoint lies between), and NaN is made +hi (above every
+ * midpoint, as torch.searchsorted has it). So an index of a few KB (L1) for 2 * nb buckets,
+ * the negative ones first (in key order), answers for each: how many midpoints lie below it,
+ * and the low `shift` bits of the key of the one midpoint inside it (if any). A bucket
+ * holding two midpoints or more is marked, and its elements take the binary search: every
+ * answer is the search's.
+ *
+ * The index's words: MP_INDEX_HEAD words (shift, lo, hi, nb), then the 2 * nb entries: the
+ * count below (bits 0-7), MP_SLOW (bit 8), the midpoint's low key bits (bits 9-31; all ones
+ * where the bucket holds none: no key's low bits are above them). */
 
 typedef struct {
     const float *values;    /* 2^bits decoded values: the map, padded with NaN */
     const float *mids;      /* the map's nmids midpoints, ascending */
-    const uint32_t *index;  /* 65536 entries, from mp_lowbit_index */
+    const uint32_t *index;  /* from mp_lowbit_index */
     int32_t nmids;          /* at most 2^bits - 1 */
     int32_t bits;           /* 8, or 4 (two codes a byte) */
 } mp_map;
 
 #define MP_SLOW 0x100u      /* an index entry whose bucket needs the binary search */
-#define MP_NO_MID 0xFFFF0000u
+#define MP_INDEX_HEAD 4     /* shift, lo, hi, nb */
+#define MP_MID_SHIFT 9      /* an entry's midpoint bits */
 
 MP_INLINE uint32_t order_key(float n) {
     uint32_t u = f32_to_bits(n + 0.0f); /* -0 + 0 = +0 */
@@ -779,23 +791,53 @@ static uint32_t code_search(const mp_map *m, float n) {
     return (uint32_t)lo;
 }
 
-/* The index of the midpoints (ascending, finite, at most 255; see the section's comment). */
-void mp_lowbit_index(const float *mids, int32_t nmids, uint32_t *index) {
+/* The index of the midpoints (ascending, finite, at most 255; see the section's comment)
+ * into `index` where `capacity` words hold it. Returns the number of words it takes (ask
+ * with capacity 0 first). */
+int64_t mp_lowbit_index(const float *mids, int32_t nmids, uint32_t *index, int64_t capacity) {
+    uint32_t shift = 16, lo = 0, hi = 0;
+    if (nmids > 0) {
+        uint32_t small = 0x7F800000u, large = 0;
+        for (int32_t i = 0; i < nmids; i++) {
+            uint32_t mag = f32_to_bits(mids[i]) & 0x7FFFFFFFu;
+            small = mag < small ? mag : small;
+            large = mag > large ? mag : large;
+        }
+        for (uint32_t bits = 3; bits <= 7; bits++) { /* the fewest that crowd no bucket */
+            shift = 23 - bits;
+            int crowded = 0;
+            for (int32_t i = 1; i < nmids; i++)
+                crowded |= order_key(mids[i]) >> shift == order_key(mids[i - 1]) >> shift;
+            if (!crowded) break;
+        }
+        lo = small >> shift ? ((small >> shift) - 1) << shift : 0;
+        hi = ((large >> shift) + 1) << shift;
+    }
+    uint32_t nb = (hi >> shift) - (lo >> shift) + 1;
+    int64_t words = MP_INDEX_HEAD + 2 * (int64_t)nb;
+    if (index == NULL || capacity < words) return words;
+    index[0] = shift;
+    index[1] = lo;
+    index[2] = hi;
+    index[3] = nb;
+    uint32_t *entry = index + MP_INDEX_HEAD;
+    const uint64_t width = (uint64_t)1 << shift;
     int32_t j = 0;
-    for (uint32_t b = 0; b < 65536u; b++) {
-        uint32_t first = b << 16;
+    for (uint32_t p = 0; p < 2 * nb; p++) {
+        /* the bucket's first key: negative buckets from the largest magnitude down */
+        uint64_t b = (lo >> shift) + (p < nb ? nb - 1 - p : p - nb);
+        uint64_t first = p < nb ? 0x80000000u - ((b + 1) << shift) : 0x80000000u + (b << shift);
         while (j < nmids && order_key(mids[j]) < first) j++;
         int32_t inside = 0;
-        while (j + inside < nmids && (order_key(mids[j + inside]) >> 16) == b) inside++;
-        /* NaN keys: above +inf (0xFF800000) and below -inf (0x007FFFFF) */
-        int nan = b >= 0xFF80u || b <= 0x007Fu;
-        if (inside > 1 || nan)
-            index[b] = (uint32_t)j | MP_SLOW;
+        while (j + inside < nmids && order_key(mids[j + inside]) < first + width) inside++;
+        if (inside > 1)
+            entry[p] = (uint32_t)j | MP_SLOW;
         else if (inside == 1)
-            index[b] = (uint32_t)j | (order_key(mids[j]) << 16);
+            entry[p] = (uint32_t)j | (uint32_t)((order_key(mids[j]) - first) << MP_MID_SHIFT);
         else
-            index[b] = (uint32_t)j | MP_NO_MID;
+            entry[p] = (uint32_t)j | (uint32_t)((width - 1) << MP_MID_SHIFT);
     }
+    return words;
 }
 
 /* The largest |v| of a block as the bits of a non-negative float32, in 16 lanes: the bits of
@@ -840,14 +882,26 @@ MP_INLINE int encode_block(const mp_map *m, const float *restrict v, mp_encode_s
     const float d = a > 0.0f ? a : 1.0f; /* NaN or 0: divide by 1, as the twin does */
     uint32_t *restrict keys = s->keys;
     uint32_t *restrict entries = s->entries;
-    const uint32_t *restrict index = m->index;
-    for (int64_t j = 0; j < len; j++) keys[j] = order_key(v[j] / d);
-    for (int64_t j = 0; j < len; j++) entries[j] = index[keys[j] >> 16];
+    const uint32_t shift = m->index[0], lo = m->index[1], hi = m->index[2];
+    const uint32_t nb = m->index[3], base = lo >> shift, low = (1u << shift) - 1u;
+    const uint32_t *restrict index = m->index + MP_INDEX_HEAD;
+    /* keys: the clamped magnitude, its bits flipped where n < 0 (their low bits are the
+     * key's); entries: the bucket's place in the index (see the section's comment) */
+    for (int64_t j = 0; j < len; j++) {
+        uint32_t u = f32_to_bits(v[j] / d + 0.0f); /* -0 + 0 = +0 */
+        uint32_t mag = u & 0x7FFFFFFFu;
+        uint32_t neg = (uint32_t)((int32_t)u >> 31) & (mag > 0x7F800000u ? 0u : ~0u);
+        uint32_t c = mag < lo ? lo : mag;
+        c = c > hi ? hi : c; /* NaN: +hi */
+        keys[j] = c ^ neg;
+        entries[j] = nb + (((c >> shift) - base) ^ neg);
+    }
+    for (int64_t j = 0; j < len; j++) entries[j] = index[entries[j]];
     uint8_t *restrict c = m->bits == 4 ? s->codes : out;
     uint32_t slow = 0;
     for (int64_t j = 0; j < len; j++) {
         uint32_t e = entries[j];
-        c[j] = (uint8_t)((e & 0xFFu) + ((keys[j] & 0xFFFFu) > (e >> 16)));
+        c[j] = (uint8_t)((e & 0xFFu) + ((keys[j] & low) > (e >> MP_MID_SHIFT)));
         slow |= e;
     }
     if (__builtin_expect((slow & MP_SLOW) != 0, 0))

@@ -239,10 +239,11 @@ def round_stochastic(lib: ctypes.CDLL, work: torch.Tensor, key: int, index: int)
 
 
 def lowbit_index(lib: ctypes.CDLL, mids: torch.Tensor) -> torch.Tensor:
-    """The 65536-entry search index of a map's contiguous float32 midpoints (int32; see
+    """The search index of a map's contiguous float32 midpoints (int32, a few KB; see
     ``mp_lowbit_index``): what :class:`LowbitMap` points to."""
-    index = torch.empty(1 << 16, dtype=torch.int32)
-    lib.mp_lowbit_index(mids.data_ptr(), mids.numel(), index.data_ptr())
+    words = lib.mp_lowbit_index(mids.data_ptr(), mids.numel(), None, 0)
+    index = torch.empty(words, dtype=torch.int32)
+    lib.mp_lowbit_index(mids.data_ptr(), mids.numel(), index.data_ptr(), words)
     return index
 
 

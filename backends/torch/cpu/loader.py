@@ -146,8 +146,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mp_round_sr.restype = None
     lib.mp_noise.argtypes = [p, i64, u64, i64]
     lib.mp_noise.restype = None
-    lib.mp_lowbit_index.argtypes = [p, i32, p]
-    lib.mp_lowbit_index.restype = None
+    lib.mp_lowbit_index.argtypes = [p, i32, p, i64]
+    lib.mp_lowbit_index.restype = i64
     lib.mp_lowbit_quantize.argtypes = [p, i64, i64, p, p, p, i32]
     lib.mp_lowbit_quantize.restype = i64
     lib.mp_lowbit_dequantize.argtypes = [p, p, i64, i64, p, p, i32]
