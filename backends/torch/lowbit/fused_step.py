@@ -74,6 +74,7 @@ STATE_BOUND = 1e37
 _ADAM_KEYS = (("exp_avg", True), ("exp_avg_sq", False))
 _SGD_KEYS = (("momentum_buffer", True),)
 _PLAIN = 0  # mp_update's float32 weight mode
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -130,14 +131,11 @@ def _keys(algo: int, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
 def _is_cpu(t: object, dtype: torch.dtype) -> TypeGuard[torch.Tensor]:
     """A plain contiguous CPU tensor of ``dtype`` (never a ``DTensor``: FSDP2's shards take
     the generic path, :mod:`.shards`)."""
-    return (
-        isinstance(t, torch.Tensor)
-        and not is_sharded(t)
-        and t.dtype == dtype
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and t.is_contiguous()
-    )
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:  # a subclass, or none
+        if not isinstance(t, torch.Tensor) or is_sharded(t):
+            return False
+    return t.dtype == dtype and t.is_cpu and t.layout == torch.strided and t.is_contiguous()
 
 
 def _step_fits(state: dict[str, Any]) -> bool:
@@ -364,48 +362,52 @@ def _addresses(tensors: list[torch.Tensor | None]) -> array.array[int]:
     return array.array("Q", [0 if t is None else t.data_ptr() for t in tensors])
 
 
-def _codes(items: list[_Item], k: int, old: bool) -> tuple[array.array[int], array.array[int]]:
-    """The k-th moment's codes and absmax of every item (0 where none, or where ``old`` and
-    it is the moment's first step)."""
-    found = [i.moments[k] if len(i.moments) > k else None for i in items]
-    moments = [None if m is None or (old and m.first) else m for m in found]
-    codes = [None if m is None else m.codes for m in moments]
-    scales = [None if m is None else m.absmax for m in moments]
-    return _addresses(codes), _addresses(scales)
-
-
 def _run_lowbit_native(lib: ctypes.CDLL, items: list[_Item], h: clib.Hyper, p: Plan) -> list[int]:
     """The quantized parameters through ``mp_lowbit_update``; each one's non-finite flags."""
-    starts = array.array("q", [0])
-    bstarts = array.array("q", [0])
-    for item in items:
-        starts.append(starts[-1] + item.param.numel())
-        bstarts.append(bstarts[-1] + blocks_of(p.fmt, item.param.numel()))
-    bad = array.array("i", [0] * len(items))
-    (c0, a0), (c1, a1) = _codes(items, 0, True), _codes(items, 1, True)
-    (o0, b0), (o1, b1) = _codes(items, 0, False), _codes(items, 1, False)
+    count = len(items)
+    starts, bstarts = [0], [0]
+    w, g, gdt, step_size, inv_bc2 = [], [], [], [], []
+    # each moment's codes and absmax, new (o0, b0, o1, b1) and old (c0, a0, c1, a1: 0 where
+    # none, or on the moment's first step)
+    new = [[0] * count for _ in range(4)]
+    old = [[0] * count for _ in range(4)]
+    for i, item in enumerate(items):
+        numel = item.param.numel()
+        starts.append(starts[-1] + numel)
+        bstarts.append(bstarts[-1] + blocks_of(p.fmt, numel))
+        w.append(item.param.data_ptr())
+        g.append(item.grad.data_ptr())
+        gdt.append(clib.DTYPE_CODES[item.grad.dtype])
+        step_size.append(item.step_size)
+        inv_bc2.append(item.inv_bc2)
+        for k, m in enumerate(item.moments[:2]):
+            codes, scale = m.codes.data_ptr(), m.absmax.data_ptr()
+            new[2 * k][i], new[2 * k + 1][i] = codes, scale
+            if not m.first:
+                old[2 * k][i], old[2 * k + 1][i] = codes, scale
+    bad = array.array("i", [0] * count)
     arrays: dict[str, array.array[Any]] = {
-        "w": _addresses([i.param for i in items]),
-        "g": _addresses([i.grad for i in items]),
-        "c0": c0,
-        "a0": a0,
-        "c1": c1,
-        "a1": a1,
-        "o0": o0,
-        "b0": b0,
-        "o1": o1,
-        "b1": b1,
-        "starts": starts,
-        "bstarts": bstarts,
-        "step_size": array.array("f", [i.step_size for i in items]),
-        "inv_bc2": array.array("f", [i.inv_bc2 for i in items]),
-        "gdt": array.array("i", [clib.DTYPE_CODES[i.grad.dtype] for i in items]),
+        "w": array.array("Q", w),
+        "g": array.array("Q", g),
+        "c0": array.array("Q", old[0]),
+        "a0": array.array("Q", old[1]),
+        "c1": array.array("Q", old[2]),
+        "a1": array.array("Q", old[3]),
+        "o0": array.array("Q", new[0]),
+        "b0": array.array("Q", new[1]),
+        "o1": array.array("Q", new[2]),
+        "b1": array.array("Q", new[3]),
+        "starts": array.array("q", starts),
+        "bstarts": array.array("q", bstarts),
+        "step_size": array.array("f", step_size),
+        "inv_bc2": array.array("f", inv_bc2),
+        "gdt": array.array("i", gdt),
         "bad": bad,
     }
     fields = clib.LowbitItems(**{k: v.buffer_info()[0] for k, v in arrays.items()})
-    signed = tables(p.fmt, True, torch.device("cpu")).native(lib)
-    unsigned = tables(p.fmt, False, torch.device("cpu")).native(lib)
-    clib.lowbit_update(lib, len(items), fields, h, signed, unsigned, p.fmt.block)
+    signed = tables(p.fmt, True, _CPU).native(lib)
+    unsigned = tables(p.fmt, False, _CPU).native(lib)
+    clib.lowbit_update(lib, count, fields, h, signed, unsigned, p.fmt.block)
     return list(bad)
 
 
