@@ -263,7 +263,7 @@ def convert_hybrid_block(
         params.reset_ctx(ctx)
     device = device_key(contexts[0])
     traced = bool(cached_graph(block))
-    install_graph_pass(block, policy, device)
+    install_graph_pass(block, policy, device, amp_casts=True)  # Gluon's export drops them
     if traced:  # as MXNet's converted block, it exports before another forward pass
         retrace_graph(block)
     warn_islands(policy.label, policy.compute, device)

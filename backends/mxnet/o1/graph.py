@@ -44,6 +44,7 @@ from mxnet.symbol import Symbol
 from mixprec.errors import MixprecWarning, WrapError
 from mixprec.kit import FLOAT32, Policy, is_floating, is_low_precision, module_rule
 
+from ..bf16_rounding import IN_SUFFIX, OUT_SUFFIX, SPLIT
 from ..blocks import BlockInfo, blocks_of
 from ..dtypes import dtype_name, mx_dtype, mx_type_code
 from ..gluon_private import (
@@ -131,10 +132,12 @@ def island_nodes(
     return found
 
 
-def round_islands(sym: Symbol, names: Sequence[str], dtype: str) -> Symbol:
+def round_islands(
+    sym: Symbol, names: Sequence[str], dtype: str, *, amp_casts: bool = False
+) -> Symbol:
     """``sym`` with the inputs and outputs of the nodes ``names`` rounded to ``dtype``, forward
-    and backward: :func:`bf16_rounding_nodes` for bfloat16, else ``amp_cast`` to ``dtype`` and
-    back to float32 (see the module docstring)."""
+    and backward: :func:`bf16_rounding_nodes` for bfloat16, else (or with ``amp_casts``)
+    ``amp_cast`` to ``dtype`` and back to float32 (see the module docstring)."""
     if not names:
         return sym
     wanted = set(names)
@@ -148,7 +151,7 @@ def round_islands(sym: Symbol, names: Sequence[str], dtype: str) -> Symbol:
         return rounded_out.get((old[0], old[1]), [moved[old[0]], old[1], old[2]])
 
     def rounding(source: list[int], name: str) -> list[int]:
-        if target == BFLOAT16_NAME:
+        if target == BFLOAT16_NAME and not amp_casts:
             return bf16_rounding_nodes(nodes, source, name)
         nodes.append(
             {
@@ -194,11 +197,6 @@ def round_islands(sym: Symbol, names: Sequence[str], dtype: str) -> Symbol:
     return mx.sym.load_json(json.dumps(graph))
 
 
-#: Veltkamp's splitting constant for float32 -> bfloat16 (24 - 8 = 16 bits dropped): for every
-#: normal float32 x with |x| < FLT_MAX / SPLIT (~5.2e33), ``t - (t - x)`` with ``t = SPLIT * x``
-#: is x rounded to bfloat16 to nearest-even, bit for bit (checked over all 2^31 positive
-#: float32 values; tests/mxnet/test_mx_island_rounding.py checks it on MXNet's own ops)
-SPLIT = 65537.0
 BFLOAT16_NAME = "bfloat16"
 
 
@@ -220,10 +218,11 @@ def bf16_rounding_nodes(nodes: list[dict[str, Any]], source: list[int], name: st
       a -0 stays -0) from the forward value, which is itself behind ``BlockGrad``; ``x`` is a
       copy of ``source``, so that sum is made before other consumers' gradients join it.
 
-    Where it differs from ``amp_cast``: a subnormal value (|x| < 2^-126) keeps up to 8
-    significant bits instead of bfloat16's fixed 2^-133 step (under 2^-134 apart); an
-    infinity and any |x| >= 2^112 (5.2e33; bfloat16 goes to 3.4e38) come out NaN, forward and
-    backward: non-finite either way, so the step's check skips the step as it would.
+    Where it differs from ``amp_cast``: a subnormal value (|x| < 2^-126), which ``amp_cast``
+    writes as 0, keeps up to 8 significant bits (under 2^-133 from 0); an infinity and any
+    |x| above FLT_MAX / 65537 (~5.19e33; bfloat16 goes to 3.4e38) come out NaN, forward and
+    backward: non-finite either way, so the step's check skips the step as it would; a zero
+    gradient may come out with the other sign.
     """
 
     def add(op: str, inputs: list[list[int]], suffix: str, **attrs: str) -> list[int]:
@@ -236,7 +235,7 @@ def bf16_rounding_nodes(nodes: list[dict[str, Any]], source: list[int], name: st
     split = repr(SPLIT)
     # the two halves of the gradient's splitting must meet in a node of their own: summed
     # into a gradient that other consumers of ``source`` add to, 65537 g would swallow theirs
-    source = add("_copy", [source], "in")
+    source = add("_copy", [source], IN_SUFFIX[1:])
     t = add("_mul_scalar", [source], "split", scalar=split)
     low = add("elemwise_sub", [t, source], "lo")
     value = add("BlockGrad", [add("elemwise_sub", [t, low], "hi")], "value")
@@ -252,7 +251,7 @@ def bf16_rounding_nodes(nodes: list[dict[str, Any]], source: list[int], name: st
         "z",
     )
     zero = add("elemwise_sub", [add("BlockGrad", [z], "z_held"), z], "zero")
-    return add("elemwise_sub", [value, zero], "rounded")
+    return add("elemwise_sub", [value, zero], OUT_SUFFIX[1:])
 
 
 def _module_list(policy: Policy, op: str, path: str | None, classes: Any) -> str | None:
@@ -284,12 +283,16 @@ def convert_symbol(
     policy: Policy,
     device: str,
     blocks: Sequence[BlockInfo] = (),
+    *,
+    amp_casts: bool = False,
 ) -> Symbol:
     """``sym`` with the casts ``policy`` asks for (O1), for inputs of ``input_dtypes``.
 
     The pass assumes graph inputs are float32 and never casts a variable feeding a float32
     op, so inputs of another floating dtype get an ``identity`` node the casts can attach to.
-    Outputs come out in ``policy.output``.
+    Outputs come out in ``policy.output``. With ``amp_casts`` the islands are rounded by
+    ``amp_cast`` pairs, which MXNet's ``remove_amp_cast`` (Gluon's own ``export``) drops:
+    for contrib.amp's conversions, whose converted nets export as float32 models.
     """
     lists = amp_lists(policy, device)
     excluded = _excluded_nodes(sym, policy, blocks)
@@ -303,7 +306,7 @@ def convert_symbol(
         sym = compose(sym, **wrapped)
     islands = [n for n in island_nodes(sym, policy, device, blocks) if n not in set(excluded)]
     converted = reduce_precision(sym, lists, excluded, names)
-    converted = round_islands(converted, islands, policy.compute)
+    converted = round_islands(converted, islands, policy.compute, amp_casts=amp_casts)
     _warn_unhonoured(converted, lists)
     if policy.output != FLOAT32:
         outs = [
@@ -347,6 +350,8 @@ def install_graph_pass(
     policy: Policy,
     device: str,
     blocks: Sequence[BlockInfo] | None = None,
+    *,
+    amp_casts: bool = False,
 ) -> None:
     """Make ``net`` run its hybridized graph converted per ``policy`` (in place).
 
@@ -357,6 +362,7 @@ def install_graph_pass(
 
     :param blocks: ``net``'s blocks as :func:`~mixprec_mxnet.blocks.blocks_of` lists them,
         where the caller has walked the net already (the Trainer's construction plan).
+    :param amp_casts: see :func:`convert_symbol`.
     """
     blocks = list(blocks_of(net)) if blocks is None else list(blocks)
 
@@ -372,7 +378,7 @@ def install_graph_pass(
             ) from exc
         flat = [a for a in _flatten(args) if a is not None]
         dtypes = [dtype_name(a.dtype) if isinstance(a, NDArray) else FLOAT32 for a in flat]
-        converted = convert_symbol(out, inputs, dtypes, policy, device, blocks)
+        converted = convert_symbol(out, inputs, dtypes, policy, device, blocks, amp_casts=amp_casts)
         # amp_cast's backward drops grad_req='add': read accumulated parameters through identity
         added = [p.name for p in net.collect_params().values() if p.grad_req == "add"]
         return inputs, protect_accumulation(converted, added)

@@ -29,6 +29,7 @@ from mxnet import gluon, nd
 from mixprec.errors import CheckpointError
 from mixprec.kit import FLOAT32, atomic_path, atomic_write_text, is_low_precision
 
+from ..bf16_rounding import cast_source
 from ..dtypes import mx_dtype
 from ..gluon_private import cached_graph, compose
 from ..step.checkpoint import save_arrays
@@ -98,18 +99,26 @@ def _cast_boundary(sym: Any, data_names: list[str], dtype: str) -> Any:
 
 
 def _without_casts(sym: Any) -> Any:
-    """``sym`` with no ``amp_cast``/``amp_multicast`` left: MXNet's ``remove_amp_cast`` drops
-    the casts that feed other nodes, this drops the outputs' own casts as well (a float32
-    graph needs none, and mixprec refuses to train a graph holding casts)."""
+    """``sym`` with no ``amp_cast``/``amp_multicast`` and none of mixprec's own casts left
+    (:data:`~..bf16_rounding.OUT_SUFFIX`): MXNet's ``remove_amp_cast`` drops the casts that
+    feed other nodes, this drops the outputs' own casts and mixprec's as well (a float32 graph
+    needs none, and mixprec refuses to train a graph holding casts)."""
     graph = json.loads(sym.tojson(remove_amp_cast=True))
     nodes = graph["nodes"]
 
     def uncast(entry: list[int]) -> list[int]:
-        while nodes[entry[0]]["op"] in ("amp_cast", "amp_multicast"):
+        while True:
             node = nodes[entry[0]]
-            entry = node["inputs"][entry[1] if node["op"] == "amp_multicast" else 0]
-        return entry
+            if node["op"] in ("amp_cast", "amp_multicast"):
+                entry = node["inputs"][entry[1] if node["op"] == "amp_multicast" else 0]
+                continue
+            source = cast_source(nodes, entry)
+            if source is None:
+                return entry
+            entry = source
 
+    for node in nodes:
+        node["inputs"] = [uncast(e) for e in node["inputs"]]
     graph["heads"] = [uncast(head) for head in graph["heads"]]
     return mx.sym.load_json(json.dumps(graph))
 

@@ -41,9 +41,10 @@ from mxnet import gluon
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from mixprec.kit import FLOAT32, is_low_precision
+from mixprec.kit import BFLOAT16, FLOAT32, is_low_precision
 
-from ..dtypes import cast, dtype_name, mx_dtype
+from ..bf16_rounding import symbol_from_bf16, symbol_to_bf16
+from ..dtypes import cast, dtype_name, mx_dtype, mx_type_code
 
 __all__ = [
     "DATA_ONLY_OPS",
@@ -59,6 +60,9 @@ __all__ = [
     "leave",
     "unconverted",
 ]
+
+#: A Gluon parameter's ``__dtype__`` attribute in a traced graph when it is bfloat16
+_BF16_CODE = str(mx_type_code(BFLOAT16))
 
 #: Gluon layer class -> the native op its ``hybrid_forward`` calls, for the dtype report.
 _LAYER_OPS = {
@@ -151,6 +155,8 @@ def enter(value: Any, dtype: str = FLOAT32) -> Any:
     if isinstance(value, NDArray):
         return cast(value, dtype)
     if isinstance(value, Symbol):
+        if dtype == FLOAT32 and value.attr("__dtype__") == _BF16_CODE:
+            return symbol_from_bf16(value)  # a bfloat16 weight: no amp_cast (see the module)
         return mx.sym.amp_cast(value, dtype=mx_dtype(dtype))
     if isinstance(value, (list, tuple)):
         return type(value)(enter(v, dtype) for v in value)
@@ -167,7 +173,8 @@ def leave(value: Any, dtype: str, inside: str = FLOAT32) -> Any:
         outputs = len(value.list_outputs())
         target = mx_dtype(dtype)
         if outputs == 1:
-            back = mx.sym.amp_cast(value, dtype=target)
+            fast = dtype == BFLOAT16 and inside == FLOAT32
+            back = symbol_to_bf16(value) if fast else mx.sym.amp_cast(value, dtype=target)
             return _remember(back, value, dtype) if inside == FLOAT32 else back
         return mx.sym.Group([mx.sym.amp_cast(value[i], dtype=target) for i in range(outputs)])
     if isinstance(value, (list, tuple)):

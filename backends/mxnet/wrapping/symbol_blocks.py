@@ -28,6 +28,7 @@ from mxnet.symbol import Symbol
 
 from mixprec.errors import WrapError
 
+from ..bf16_rounding import OUT_SUFFIX
 from ..gluon_private import cached_graph, set_cached_graph
 from .islands import DATA_ONLY_OPS
 
@@ -68,13 +69,14 @@ def _symbol(block: gluon.Block) -> Symbol | None:
 
 
 def has_amp_casts(sym: Symbol) -> bool:
-    """Whether ``sym`` holds ``amp_cast``/``amp_multicast`` nodes anywhere.
+    """Whether ``sym`` holds ``amp_cast``/``amp_multicast`` nodes anywhere, or mixprec's own
+    casts (:mod:`..bf16_rounding`).
 
     ``Symbol.tojson()`` cannot tell: by default it runs MXNet's ``RemoveAmpCast`` pass, which
     drops every cast that feeds another node, so only a cast that is an output would show.
     """
     graph = json.loads(sym.tojson(remove_amp_cast=False))
-    return any(n["op"] in _AMP_OPS for n in graph["nodes"])
+    return any(n["op"] in _AMP_OPS or n["name"].endswith(OUT_SUFFIX) for n in graph["nodes"])
 
 
 def check_not_amp_converted(block: gluon.Block) -> None:
