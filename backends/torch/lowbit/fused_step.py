@@ -131,10 +131,11 @@ def _keys(algo: int, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
 def _is_cpu(t: object, dtype: torch.dtype) -> TypeGuard[torch.Tensor]:
     """A plain contiguous CPU tensor of ``dtype`` (never a ``DTensor``: FSDP2's shards take
     the generic path, :mod:`.shards`)."""
-    kind = type(t)
-    if kind is not torch.Tensor and kind is not torch.nn.Parameter:  # a subclass, or none
-        if not isinstance(t, torch.Tensor) or is_sharded(t):
-            return False
+    if not isinstance(t, torch.Tensor):
+        return False
+    kind = type(t)  # a plain tensor or parameter is no DTensor: no need to ask
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter and is_sharded(t):
+        return False
     return t.dtype == dtype and t.is_cpu and t.layout == torch.strided and t.is_contiguous()
 
 
