@@ -23,11 +23,15 @@ What the backend does with the answer:
 - an explicit bfloat16 policy runs every op without a kernel as a *float32 island*: its inputs
   are cast to float32, it computes in float32 and its outputs are cast back to bfloat16, so the
   weights (and masters) keep the policy's dtypes (:func:`warn_islands` says so once per trainer).
-  This keeps the policy's numerics, not its speed: on an AVX2-only CPU ``amp_cast`` to and
-  from bfloat16 runs at ~100 ns per element (a float32 copy: ~4 ns), so even with consecutive
-  islands passing float32 to each other (:func:`mixprec_mxnet.wrapping.islands.chained_islands`) the
-  casts of weights and master copies leave an O2-bf16 CNN step there about 1.7x O0's, and a
-  large MLP's 6-11x (docs/benchmarks.md, section 2 reading).
+  This keeps the policy's numerics, not its speed. On an AVX2-only CPU MXNet's ``amp_cast`` to
+  and from bfloat16 runs at ~100 ns per element (a float32 copy: ~4 ns), so mixprec converts
+  with float32 ops where it can (:mod:`mixprec_mxnet.bf16_rounding`: ``amp_cast``'s bits at a
+  tenth of its cost): O1's rounding of every island's inputs and outputs, the islands' casts
+  of bfloat16 weights and of their outputs, the step's master copies of large arrays. The
+  islands' casts of bfloat16 activations keep ``amp_cast`` (the graph does not say their
+  dtype where the cast is built). On model_zoo's resnet18_v1 (batch 16 of 3x32x32) an
+  O1-bf16 step there is then 2.25x O0's (18.3x with ``amp_cast``), O2-bf16 9.6x (16.3x)
+  (``benchmarks/gluon_bf16_casts.py``; docs/benchmarks.md, section 2 reading).
 """
 
 from __future__ import annotations
