@@ -19,6 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _ranks import launch  # noqa: E402
+
 import mixprec  # noqa: E402
 import mixprec.torch  # noqa: E402
 from mixprec_torch.step.distributed import all_reduce_found_inf, is_distributed  # noqa: E402
@@ -49,44 +51,7 @@ def two_ranks(test: Any) -> Any:
 
 def run_ranks(scenarios: list[str], workdir: Path, timeout: float = 120.0) -> list[dict[str, Any]]:
     """Run ``scenarios`` on WORLD processes; each rank's results by scenario, rank 0 first."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="")
-    # The ranks exercise the torch backend only: spare each of them loading the other backends.
-    env["MIXPREC_DISABLE_PLUGINS"] = "mxnet"
-    command = [sys.executable, str(WORKER), ",".join(scenarios)]
-    procs = []
-    logs = []
-    for rank in range(WORLD):
-        log = (workdir / f"rank{rank}.log").open("w")
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [*command, str(rank), str(WORLD), str(workdir)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        )
-    try:
-        for proc in procs:
-            proc.wait(timeout=timeout)  # the ranks run concurrently: one shared budget is enough
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
-    if failed:
-        output = "\n".join(
-            f"--- rank {rank} (exit {procs[rank].returncode}) ---\n"
-            + (workdir / f"rank{rank}.log").read_text()[-4000:]
-            for rank in range(WORLD)
-        )
-        pytest.fail(f"rank(s) {failed} failed or timed out\n{output}")
-    return [json.loads((workdir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return launch(WORKER, scenarios, workdir, WORLD, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,14 @@ encoded after each step). The one-rank tests run FSDP2 in this process over a on
 from __future__ import annotations
 
 import gc
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from _ranks import launch  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.torch  # noqa: E402
@@ -41,42 +39,7 @@ needs_gloo = pytest.mark.skipif(
 
 def run_ranks(scenarios: list[str], workdir: Path, timeout: float = 120.0) -> list[dict[str, Any]]:
     """Run ``scenarios`` on WORLD processes (one thread each); each rank's results."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="")
-    env["MIXPREC_DISABLE_PLUGINS"] = "mxnet"
-    command = [sys.executable, str(WORKER), ",".join(scenarios)]
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = (workdir / f"rank{rank}.log").open("w")
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [*command, str(rank), str(WORLD), str(workdir)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        )
-    try:
-        for proc in procs:
-            proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
-    if failed:
-        output = "\n".join(
-            f"--- rank {rank} (exit {procs[rank].returncode}) ---\n"
-            + (workdir / f"rank{rank}.log").read_text()[-4000:]
-            for rank in range(WORLD)
-        )
-        pytest.fail(f"rank(s) {failed} failed or timed out\n{output}")
-    results = [json.loads((workdir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    results = launch(WORKER, scenarios, workdir, WORLD, timeout)
     out = []
     for name in scenarios:
         per_rank = []
