@@ -6,15 +6,14 @@ multiply. On such a CPU, where every bfloat16 op is a float32 island, those cast
 an O2-bf16 step (the masters written into the weights, the gradients read into the masters,
 the weights read by each island). ``Cast`` is fast but truncates. So:
 
-- **to bfloat16** (:func:`to_bf16_into`): Veltkamp's splitting rounds in float32
-  (``t - (t - x)`` with ``t = 65537 x`` is ``x`` rounded to 8 significant bits, to
-  nearest-even, for every normal float32 below FLT_MAX / 65537, ~5.19e33, just under
-  2^112: checked over all of them), then ``Cast``
-  truncates what is already on the bfloat16 grid. ``amp_cast`` writes a value below 2^-126
-  (float32's subnormals) as a zero of its sign, and so does this (``amp_cast`` writes -0 as
-  +0, this keeps -0: the one difference). For arrays with a value of 2^64 or
-  more, an infinity or a NaN (one ``multi_sum_sq`` over the arrays says, where the splitting
-  would overflow), ``amp_multicast`` does the cast;
+- **to bfloat16** (:func:`to_bf16_into`): Veltkamp's splitting rounds in float32 (``t - (t -
+  x)`` with ``t = 65537 x`` is ``x`` rounded to 8 significant bits, to nearest-even, for every
+  normal float32 below FLT_MAX / 65537, ~5.19e33, just under 2^112: checked over all of
+  them), then ``Cast`` truncates what is already on the bfloat16 grid. ``amp_cast`` writes a
+  value below 2^-126 (float32's subnormals) as a zero of its sign, and so does this
+  (``amp_cast`` writes -0 as +0, this keeps -0: the one difference). Arrays with a value of
+  2^63 or more, an infinity or a NaN (one ``multi_sum_sq`` over them says) go to
+  ``amp_multicast``, as the splitting could overflow;
 - **to float32** (:func:`from_bf16_into`): ``Cast``, which is exact (where ``amp_cast``
   would write a bfloat16 subnormal as 0, it keeps it: none comes from ``amp_cast``).
 
@@ -57,13 +56,13 @@ __all__ = [
 
 #: Veltkamp's splitting constant for float32 -> bfloat16: 2^(24 - 8) + 1
 SPLIT = 65537.0
-_TINY = 2.0**-126  # below: float32's subnormals, which amp_cast writes as +0
-#: a sum of squares below this means every |x| < 2^64: the splitting cannot overflow
+_TINY = 2.0**-126  # below: float32's subnormals, which amp_cast writes as zeros
+#: a sum of squares below this means every |x| < 2^63: the splitting cannot overflow
 _SQUARES_BOUND = 2.0**126
 
 
 def splittable(arrays: Sequence[nd.NDArray]) -> bool:
-    """Whether every value of the float32 ``arrays`` is finite and below 2^64 in magnitude
+    """Whether every value of the float32 ``arrays`` is finite and below 2^63 in magnitude
     (their sum of squares is): :func:`to_bf16_into` is exact for them. One op and one read."""
     if not arrays:
         return True
