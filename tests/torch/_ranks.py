@@ -1,5 +1,6 @@
 """Run a worker script on several gloo ranks, one process and one thread each (the torch
-tests' multi-process launch: ``test_distributed.py``, ``test_lowbit_fsdp.py``)."""
+tests' multi-process launch: ``test_distributed.py``, ``test_lowbit_fsdp.py``,
+``test_lightning_fsdp.py``), and the marks such a test carries."""
 
 from __future__ import annotations
 
@@ -7,10 +8,29 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+needs_gloo = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with gloo is not available in this build",
+)
+
+
+def multi_rank(timeout: float) -> Callable[[Any], Any]:
+    """The marks of a test that starts several gloo processes: slow, distributed, gloo, and
+    ``timeout`` seconds for the whole test."""
+
+    def mark(test: Any) -> Any:
+        for each in (pytest.mark.timeout(timeout), pytest.mark.slow, pytest.mark.distributed):
+            test = each(test)
+        return needs_gloo(test)
+
+    return mark
 
 
 def launch(
@@ -57,3 +77,18 @@ def launch(
         )
         pytest.fail(f"rank(s) {failed} failed or timed out\n{output}")
     return [json.loads((workdir / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Each rank's result for ``name`` (of :func:`launch`'s results); fails with the rank's
+    traceback or warnings."""
+    results = []
+    for rank, by_name in enumerate(ranks):
+        result = by_name.get(name)
+        if result is None:
+            pytest.fail(f"{name} did not run on rank {rank} (an earlier scenario failed)")
+        if "error" in result:
+            pytest.fail(f"{name} failed on rank {rank}:\n{result['error']}")
+        assert result.pop("warnings") == [], f"{name} warned on rank {rank}"
+        results.append(result)
+    return results

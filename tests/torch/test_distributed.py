@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _ranks import launch  # noqa: E402
+from _ranks import launch, multi_rank, needs_gloo, scenario  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.torch  # noqa: E402
@@ -36,17 +36,8 @@ pytestmark = pytest.mark.torch
 
 WORKER = Path(__file__).with_name("_dist_workers.py")
 WORLD = 2
-needs_gloo = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is not available in this build",
-)
-
-
-def two_ranks(test: Any) -> Any:
-    """The marks of a test that runs in the shared two-process gloo launch."""
-    for mark in (pytest.mark.timeout(150), pytest.mark.slow, pytest.mark.distributed, needs_gloo):
-        test = mark(test)
-    return test
+#: the marks of a test that runs in the shared two-process gloo launch
+two_ranks = multi_rank(150)
 
 
 def run_ranks(scenarios: list[str], workdir: Path, timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -60,20 +51,6 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(
         ["ddp_skip", "ddp_bf16", "fsdp_bf16", "fsdp_o1_bf16"], tmp_path_factory.mktemp("ranks")
     )
-
-
-def scenario(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    """Each rank's result for ``name``; fails with the rank's traceback or warnings."""
-    results = []
-    for rank, by_name in enumerate(ranks):
-        result = by_name.get(name)
-        if result is None:
-            pytest.fail(f"{name} did not run on rank {rank} (an earlier scenario failed)")
-        if "error" in result:
-            pytest.fail(f"{name} failed on rank {rank}:\n{result['error']}")
-        assert result.pop("warnings") == [], f"{name} warned on rank {rank}"
-        results.append(result)
-    return results
 
 
 # --------------------------------------------------------------------------------------------

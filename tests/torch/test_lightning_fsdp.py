@@ -26,6 +26,7 @@ pytest.importorskip("lightning")
 
 import lightning as L  # noqa: E402
 from _lightning_nets import LIGHTNING_MARKS  # noqa: E402
+from _ranks import multi_rank  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -35,17 +36,8 @@ from mixprec.lightning import MixprecPrecision  # noqa: E402
 pytestmark = LIGHTNING_MARKS
 
 WORKER = Path(__file__).with_name("_lightning_fsdp_worker.py")
-needs_gloo = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is not available in this build",
-)
-
-
-def two_ranks(test: Any) -> Any:
-    """The marks of a test that starts two Lightning processes."""
-    for mark in (pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.distributed, needs_gloo):
-        test = mark(test)
-    return test
+#: the marks of a test that starts two Lightning processes
+two_ranks = multi_rank(240)
 
 
 def _free_port() -> int:

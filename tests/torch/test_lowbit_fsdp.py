@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _ranks import launch  # noqa: E402
+from _ranks import launch, multi_rank, needs_gloo, scenario  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.torch  # noqa: E402
@@ -31,34 +31,15 @@ pytestmark = pytest.mark.torch
 
 WORKER = Path(__file__).with_name("_lowbit_fsdp_workers.py")
 WORLD = 2
-needs_gloo = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is not available in this build",
-)
 
 
 def run_ranks(scenarios: list[str], workdir: Path, timeout: float = 120.0) -> list[dict[str, Any]]:
     """Run ``scenarios`` on WORLD processes (one thread each); each rank's results."""
     results = launch(WORKER, scenarios, workdir, WORLD, timeout)
-    out = []
-    for name in scenarios:
-        per_rank = []
-        for rank, by_name in enumerate(results):
-            result = by_name.get(name)
-            if result is None:
-                pytest.fail(f"{name} did not run on rank {rank} (an earlier scenario failed)")
-            if "error" in result:
-                pytest.fail(f"{name} failed on rank {rank}:\n{result['error']}")
-            assert result.pop("warnings") == [], f"{name} warned on rank {rank}"
-            per_rank.append(result)
-        out.append(per_rank)
-    return out
+    return [scenario(results, name) for name in scenarios]
 
 
-def two_ranks(test: Any) -> Any:
-    for mark in (pytest.mark.timeout(150), pytest.mark.slow, pytest.mark.distributed, needs_gloo):
-        test = mark(test)
-    return test
+two_ranks = multi_rank(150)
 
 
 @pytest.fixture(scope="module")
