@@ -21,12 +21,14 @@ These are for values autograd does not record (the step's copies): the backward 
 ops is not ``amp_cast``'s. In hybridized graphs, where the backward must round too,
 :func:`symbol_to_bf16` and :func:`symbol_from_bf16` cast an island's output and a bfloat16
 weight into an island (:mod:`mixprec_mxnet.wrapping.islands`), and O1's islands round with
-:func:`mixprec_mxnet.o1.graph.bf16_rounding_nodes`: the same splitting, forward (``BlockGrad``
-keeps its ops out of the gradient) or backward (a branch whose gradient autograd sums into
-the splitting of the incoming gradient). Those differ from ``amp_cast`` only outside
+:func:`symbol_round_bf16` (:func:`mixprec_mxnet.o1.graph.round_islands`): the same
+splitting, forward (``BlockGrad`` keeps its ops out of the gradient) or backward (a branch
+whose gradient autograd sums into the splitting of the incoming gradient:
+:func:`_rounded_gradient`). Those differ from ``amp_cast`` only outside
 ordinary values: a value or gradient that is infinite or above FLT_MAX / 65537 comes out NaN
 (non-finite either way: the step's check skips the step as it would), a subnormal gradient
-keeps up to 8 significant bits where ``amp_cast`` writes 0, a zero may change sign.
+(or value, in :func:`symbol_round_bf16`) keeps up to 8 significant bits where ``amp_cast``
+writes 0, a zero may change sign.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "round_to_bf16",
     "splittable",
     "symbol_from_bf16",
+    "symbol_round_bf16",
     "symbol_to_bf16",
     "to_bf16_into",
 ]
@@ -91,33 +94,56 @@ def from_bf16_into(src: nd.NDArray, dst: nd.NDArray) -> nd.NDArray:
     return nd.Cast(src, dtype=dst.dtype, out=dst)
 
 
-#: A cast built here (or by :func:`mixprec_mxnet.o1.graph.bf16_rounding_nodes`) is the
-#: subgraph from a ``_copy`` node named ``<base>`` + IN_SUFFIX (reading the value) to the node
-#: named ``<base>`` + OUT_SUFFIX (the result): how a float32 export finds and drops them
-#: (:mod:`mixprec_mxnet.wrapping.export`) as MXNet's ``remove_amp_cast`` drops ``amp_cast``.
+#: A cast built here is the subgraph from a ``_copy`` node named ``<base>`` + IN_SUFFIX
+#: (reading the value) to the node named ``<base>`` + OUT_SUFFIX (the result): how a float32
+#: export finds and drops them (:mod:`mixprec_mxnet.wrapping.export`) as MXNet's
+#: ``remove_amp_cast`` drops ``amp_cast``.
 IN_SUFFIX = "_mixprec_in"
 OUT_SUFFIX = "_mixprec_cast"
 _names = itertools.count()
 
 
-def cast_source(nodes: list[dict[str, Any]], entry: list[int]) -> list[int] | None:
-    """In a symbol's JSON ``nodes``, the value a cast built here reads, when ``entry`` is
-    such a cast's result (None otherwise)."""
-    name = nodes[entry[0]]["name"]
+def cast_source(by_name: dict[str, dict[str, Any]], name: str) -> list[int] | None:
+    """In a symbol's JSON nodes (``by_name``: each node by its name), the entry a cast built
+    here reads, when ``name`` is such a cast's result node (None otherwise)."""
     if not name.endswith(OUT_SUFFIX):
         return None
-    start = name[: -len(OUT_SUFFIX)] + IN_SUFFIX
-    for node in nodes:
-        if node["name"] == start and node["op"] == "_copy":
-            return list(node["inputs"][0])
-    return None
+    start = by_name.get(name[: -len(OUT_SUFFIX)] + IN_SUFFIX)
+    return list(start["inputs"][0]) if start is not None and start["op"] == "_copy" else None
+
+
+def _rounded_gradient(value: Symbol, split: Symbol) -> Symbol:
+    """``BlockGrad(z) - z``: +0 forward (a -0 subtracted from stays -0), and a gradient ``g``
+    flowing in reaches ``value`` as ``g`` rounded to bfloat16 (``split`` is ``65537 value``).
+
+    ``z = 65537 x + 65537 (-x) + -(-x)``: autograd's backward gives ``-x`` the gradients
+    ``65537 g`` and ``-g``, which it sums in float32 (``u = 65537 g - g``), then gives ``x``
+    ``65537 g`` and ``-u``, summed again: ``t - (t - g)`` with ``t = 65537 g``, Veltkamp's
+    splitting of ``g``. ``value`` must be read by these nodes alone (the callers read it
+    through a copy), or other readers' gradients would join those sums."""
+    minus = mx.sym.negative(value)
+    z = split + minus * SPLIT + mx.sym.negative(minus)
+    return mx.sym.BlockGrad(z) - z
+
+
+def _start(value: Symbol) -> tuple[str, Symbol]:
+    base = f"mixprec_bf16_{next(_names)}"
+    return base, mx.sym.identity(value, name=base + IN_SUFFIX)
+
+
+def symbol_round_bf16(value: Symbol) -> Symbol:
+    """float32 ``value`` rounded to bfloat16 and back in a graph, forward and backward, as
+    two ``amp_cast`` would (O1's float32 islands: :func:`mixprec_mxnet.o1.graph.round_islands`)."""
+    base, value = _start(value)
+    split = value * SPLIT
+    rounded = mx.sym.BlockGrad(split - (split - value))
+    return mx.sym.elemwise_sub(rounded, _rounded_gradient(value, split), name=base + OUT_SUFFIX)
 
 
 def symbol_to_bf16(value: Symbol) -> Symbol:
     """float32 ``value`` cast to bfloat16 in a graph, as ``amp_cast`` (the gradient widens
     exactly on the way back)."""
-    base = f"mixprec_bf16_{next(_names)}"
-    value = mx.sym.identity(value, name=base + IN_SUFFIX)
+    base, value = _start(value)
     split = value * SPLIT
     rounded = (split - (split - value)) * (mx.sym.abs(value) >= _TINY)
     return mx.sym.Cast(
@@ -127,16 +153,10 @@ def symbol_to_bf16(value: Symbol) -> Symbol:
 
 def symbol_from_bf16(value: Symbol) -> Symbol:
     """bfloat16 ``value`` cast to float32 in a graph, as ``amp_cast``: exact forward, the
-    gradient rounded to bfloat16 on the way back (``Cast``'s own backward would truncate it).
-
-    The gradient ``g`` of the result reaches ``wide`` through ``z = 65537 w + 65537 (-w) +
-    -(-w)`` alone (``w`` is ``wide``; the value is ``BlockGrad(wide) - (BlockGrad(z) - z)``),
-    whose backward sums ``65537 g`` and ``-(65537 g - g)`` in float32: ``g`` rounded by
-    Veltkamp's splitting, which ``Cast``'s backward then truncates exactly."""
-    base = f"mixprec_bf16_{next(_names)}"
-    wide = mx.sym.Cast(mx.sym.identity(value, name=base + IN_SUFFIX), dtype="float32")
-    minus = mx.sym.negative(wide)
-    z = wide * SPLIT + minus * SPLIT + mx.sym.negative(minus)
+    gradient rounded to bfloat16 on the way back (:func:`_rounded_gradient`; ``Cast``'s own
+    backward then truncates it exactly, where alone it would truncate an unrounded one)."""
+    base, value = _start(value)
+    wide = mx.sym.Cast(value, dtype="float32")
     return mx.sym.elemwise_sub(
-        mx.sym.BlockGrad(wide), mx.sym.BlockGrad(z) - z, name=base + OUT_SUFFIX
+        mx.sym.BlockGrad(wide), _rounded_gradient(wide, wide * SPLIT), name=base + OUT_SUFFIX
     )

@@ -4,7 +4,7 @@ O1's graph pass rounds the inputs and outputs of every float32 island to bfloat1
 and backward (:func:`mixprec_mxnet.o1.graph.round_islands`). ``amp_cast`` to bfloat16 and
 back did that at ~120 ns per element and direction on an AVX2 CPU (O1-bf16 on model_zoo's
 resnet18_v1 ran ~20x float32's step); the rounding now uses Veltkamp's splitting in float32
-(:func:`~mixprec_mxnet.o1.graph.bf16_rounding_nodes`). These tests hold it to ``amp_cast``'s
+(:func:`~mixprec_mxnet.bf16_rounding.symbol_round_bf16`). These tests hold it to ``amp_cast``'s
 bits: the graph with the new nodes against the same graph with explicit ``amp_cast`` pairs,
 outputs and every gradient. They do not depend on the CPU: ``round_islands`` is given the
 island nodes by name.

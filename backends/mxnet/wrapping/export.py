@@ -105,6 +105,7 @@ def _without_casts(sym: Any) -> Any:
     needs none, and mixprec refuses to train a graph holding casts)."""
     graph = json.loads(sym.tojson(remove_amp_cast=True))
     nodes = graph["nodes"]
+    by_name = {node["name"]: node for node in nodes}
 
     def uncast(entry: list[int]) -> list[int]:
         while True:
@@ -112,7 +113,7 @@ def _without_casts(sym: Any) -> Any:
             if node["op"] in ("amp_cast", "amp_multicast"):
                 entry = node["inputs"][entry[1] if node["op"] == "amp_multicast" else 0]
                 continue
-            source = cast_source(nodes, entry)
+            source = cast_source(by_name, node["name"])
             if source is None:
                 return entry
             entry = source
