@@ -82,16 +82,13 @@ from mixprec.kit import (
     Stage,
     get_policy,
     is_low_precision,
-    resolve_for_device,
 )
 
-from ..devices import capabilities, device_capability, device_key
 from ..o1.autocast import region
 from ..step.loop import master_params, state, unscale_
 from ..step.optimizer_state import WrapGroup, optimizer_state
-from ..wrapping.planning import first_device
 from ..wrapping.sharding import fully_shard_with_policy, is_fsdp_managed
-from ..wrapping.wrap import ModelRecord, wrap
+from ..wrapping.wrap import ModelRecord, resolve_policy, wrap
 
 __all__ = ["FABRIC_RECIPE", "FSDP_RECIPE", "MixprecPrecision", "lightning_precision_name"]
 
@@ -253,12 +250,11 @@ class MixprecPrecision(Precision):
 
     def _wrap(self, model: LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:
         """``wrap`` the module; under FSDP2 a refusal names the Lightning recipe too."""
-        if not is_fsdp_managed(model):
-            wrap(model, list(optimizers), policy=self.policy)
-            return
         try:
             wrap(model, list(optimizers), policy=self.policy)
         except WrapError as err:
+            if not is_fsdp_managed(model):
+                raise
             raise WrapError(
                 f"{err}. Under Lightning, shard in configure_model with "
                 "self.trainer.precision_plugin.fully_shard(module, "
@@ -277,9 +273,7 @@ class MixprecPrecision(Precision):
         ``ModelParallelStrategy``. Returns ``module``, sharded in place.
         """
         if not self.policy.is_resolved:
-            device = first_device([module])
-            caps = capabilities() if device_capability(device) is not None else None
-            self.policy = resolve_for_device(self.policy, "torch", device_key(device), caps)
+            _, self.policy = resolve_policy([module], self.policy)
             self.precision = lightning_precision_name(self.policy)
         return fully_shard_with_policy(module, self.policy, blocks=blocks, **fully_shard_kwargs)
 

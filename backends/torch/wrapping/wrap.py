@@ -28,6 +28,7 @@ from mixprec.kit import (
     FLOAT32,
     LossScaler,
     MasterWeights,
+    Policy,
     StepGuard,
     check_seed,
     parse_state_format,
@@ -49,9 +50,19 @@ from .planning import ModelRecord, WrapPlan, check_arguments, first_device, plan
 from .running_stats import RunningStats
 from .sharding import local_tensor
 
-__all__ = ["ModelRecord", "apply_plan", "wrap"]
+__all__ = ["ModelRecord", "apply_plan", "resolve_policy", "wrap"]
 
 logger = logging.getLogger("mixprec.torch")
+
+
+def resolve_policy(
+    models: list[nn.Module], policy: Any, **overrides: Any
+) -> tuple[torch.device, Policy]:
+    """The device of ``models``' first parameter and ``policy`` resolved for it (``"auto"``
+    and the device's capabilities), as ``wrap`` resolves it."""
+    device = first_device(models)
+    caps = capabilities() if device_capability(device) is not None else None
+    return device, resolve_for_device(policy, "torch", device_key(device), caps, **overrides)
 
 
 def _listify(value: Any) -> tuple[list[Any], bool]:
@@ -131,9 +142,7 @@ def wrap(
     opt_list, opts_listed = _listify(optimizers)
     params = check_arguments(model_list, opt_list)
 
-    device = first_device(model_list)
-    caps = capabilities() if device_capability(device) is not None else None
-    resolved = resolve_for_device(policy, "torch", device_key(device), caps, **overrides)
+    device, resolved = resolve_policy(model_list, policy, **overrides)
 
     plan = plan_wrap(model_list, opt_list, params, resolved, device, keep_dtypes=keep_dtypes)
     # ---- nothing was changed above this line; from here on the conversion happens
