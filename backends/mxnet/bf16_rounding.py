@@ -49,6 +49,7 @@ __all__ = [
     "SPLIT",
     "cast_source",
     "from_bf16_into",
+    "from_bf16_recorded",
     "round_to_bf16",
     "splittable",
     "symbol_from_bf16",
@@ -112,7 +113,7 @@ def cast_source(by_name: dict[str, dict[str, Any]], name: str) -> list[int] | No
     return list(start["inputs"][0]) if start is not None and start["op"] == "_copy" else None
 
 
-def _rounded_gradient(value: Symbol, split: Symbol) -> Symbol:
+def _rounded_gradient(F: Any, value: Any, split: Any) -> Any:
     """``BlockGrad(z) - z``: +0 forward (a -0 subtracted from stays -0), and a gradient ``g``
     flowing in reaches ``value`` as ``g`` rounded to bfloat16 (``split`` is ``65537 value``).
 
@@ -120,10 +121,11 @@ def _rounded_gradient(value: Symbol, split: Symbol) -> Symbol:
     ``65537 g`` and ``-g``, which it sums in float32 (``u = 65537 g - g``), then gives ``x``
     ``65537 g`` and ``-u``, summed again: ``t - (t - g)`` with ``t = 65537 g``, Veltkamp's
     splitting of ``g``. ``value`` must be read by these nodes alone (the callers read it
-    through a copy), or other readers' gradients would join those sums."""
-    minus = mx.sym.negative(value)
-    z = split + minus * SPLIT + mx.sym.negative(minus)
-    return mx.sym.BlockGrad(z) - z
+    through a copy), or other readers' gradients would join those sums. ``F`` is
+    ``mx.sym`` in graphs, ``mx.nd`` under ``autograd.record()``."""
+    minus = F.negative(value)
+    z = split + minus * SPLIT + F.negative(minus)
+    return F.BlockGrad(z) - z
 
 
 def _start(value: Symbol) -> tuple[str, Symbol]:
@@ -137,7 +139,9 @@ def symbol_round_bf16(value: Symbol) -> Symbol:
     base, value = _start(value)
     split = value * SPLIT
     rounded = mx.sym.BlockGrad(split - (split - value))
-    return mx.sym.elemwise_sub(rounded, _rounded_gradient(value, split), name=base + OUT_SUFFIX)
+    return mx.sym.elemwise_sub(
+        rounded, _rounded_gradient(mx.sym, value, split), name=base + OUT_SUFFIX
+    )
 
 
 def symbol_to_bf16(value: Symbol) -> Symbol:
@@ -158,5 +162,15 @@ def symbol_from_bf16(value: Symbol) -> Symbol:
     base, value = _start(value)
     wide = mx.sym.Cast(value, dtype="float32")
     return mx.sym.elemwise_sub(
-        mx.sym.BlockGrad(wide), _rounded_gradient(wide, wide * SPLIT), name=base + OUT_SUFFIX
+        mx.sym.BlockGrad(wide),
+        _rounded_gradient(mx.sym, wide, wide * SPLIT),
+        name=base + OUT_SUFFIX,
     )
+
+
+def from_bf16_recorded(value: nd.NDArray) -> nd.NDArray:
+    """bfloat16 ``value`` widened to float32 under ``autograd.record()``, as ``amp_cast``
+    would: exact forward, the gradient rounded to bfloat16 on the way back (the imperative
+    twin of :func:`symbol_from_bf16`; the widened array is read by the rounding alone)."""
+    wide = nd.Cast(value, dtype="float32")
+    return nd.BlockGrad(wide) - _rounded_gradient(nd, wide, wide * SPLIT)

@@ -4,6 +4,7 @@ single ops without a bfloat16 kernel on this CPU (the probe in
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -16,19 +17,26 @@ from mxnet import autograd, gluon, nd  # noqa: E402
 
 import mixprec.mxnet as mpx  # noqa: E402
 from mixprec_mxnet.bf16_kernels import missing_bf16_cpu_ops  # noqa: E402
+from mixprec_mxnet.bf16_rounding import OUT_SUFFIX  # noqa: E402
 from mixprec_mxnet.dtypes import dtype_of  # noqa: E402
 from mixprec_mxnet.o1.graph import node_dtypes  # noqa: E402
+from mixprec_mxnet.wrapping import casting  # noqa: E402
 
 pytestmark = pytest.mark.mxnet
 
 L2 = gluon.loss.L2Loss()
 
 
+def _source(node: dict) -> str:
+    """A node's op, or ``mixprec_cast`` for the last node of one of mixprec's casts."""
+    return "mixprec_cast" if node["name"].endswith(OUT_SUFFIX) else node["op"]
+
+
 def _batchnorm_inputs(net: object) -> list[str]:
     """The op feeding each BatchNorm in the hybridized graph, in order."""
     graph = json.loads(net._cached_graph[1].tojson(remove_amp_cast=False))  # type: ignore[attr-defined]
     nodes = graph["nodes"]
-    return [nodes[n["inputs"][0][0]]["op"] for n in nodes if n["op"] == "BatchNorm"]
+    return [_source(nodes[n["inputs"][0][0]]) for n in nodes if n["op"] == "BatchNorm"]
 
 
 @pytest.mark.cpu_isa
@@ -41,11 +49,13 @@ def test_batchnorm_after_a_blocked_conv_reads_bf16_and_keeps_fp32_statistics() -
     # the first conv reads 1 channel (plain NCHW output): the island keeps its casts; the
     # second reads 16 (oneDNN's blocked layout): BatchNorm takes bf16 data directly.
     # Where the CPU has no bfloat16 Convolution kernel, the conv is a float32 island itself
-    # and BatchNorm's island reads its float32 output directly (chained islands: no casts)
-    conv_island = bf16_computes("Convolution") == "float32"
-    fused = conv_island or bf16_computes("BatchNorm") == "bfloat16"
-    first, second = ("Convolution" if f else "amp_cast" for f in (conv_island, fused))
-    assert _batchnorm_inputs(net) == [first, second]
+    # and BatchNorm's island reads its output rounded to bfloat16, widened by mixprec's fast
+    # cast (chained islands: no amp_cast)
+    if bf16_computes("Convolution") == "float32":
+        assert _batchnorm_inputs(net) == ["mixprec_cast", "mixprec_cast"]
+    else:
+        fused = bf16_computes("BatchNorm") == "bfloat16"
+        assert _batchnorm_inputs(net) == ["amp_cast", "Convolution" if fused else "amp_cast"]
     bn = net[4]
     assert {p.dtype for p in bn.collect_params().values()} == {np.float32}
 
@@ -134,37 +144,50 @@ CNN_ISLANDS = {"Convolution", "BatchNorm", "Activation", "Pooling", "FullyConnec
     reason="this CPU has bfloat16 kernels for the CNN's ops: they are not islands here",
 )
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_a_run_of_islands_computes_in_float32_from_end_to_end(hybrid: bool) -> None:
-    """Where every op of the CNN is a float32 island, the O2-bf16 net computes as the float32
-    net on its bfloat16 weights and input: no rounding to bfloat16 between the islands (and
-    no cast to pay for), only where the output leaves the net. Gradients likewise."""
+def test_a_run_of_islands_rounds_every_activation_as_amp_cast_would(
+    hybrid: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every op of the CNN is a float32 island, each island's output is rounded to
+    bfloat16 before the next island reads it, as O2-bf16 says (issue 37: the chain used to
+    pass the unrounded float32 value on). The chain widens the rounded value by fast casts;
+    outputs and gradients are those of the same net with ``amp_cast`` between the islands
+    (the chain turned off), bit for bit, and not those of float32 activations."""
     x, _ = batch(image=True)
+
+    def run(chained: bool) -> tuple[np.ndarray, np.ndarray]:
+        net = cnn(seed=5)
+        mpx.Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
+        if not chained:
+            monkeypatch.setattr(casting, "chained_islands", contextlib.nullcontext)
+        if hybrid:
+            net.hybridize()
+        with autograd.record():
+            out = net(x)
+        out.backward()
+        monkeypatch.undo()
+        grad = mpx.cast(net[0].weight.grad(), "float32").asnumpy()
+        return mpx.cast(out, "float32").asnumpy(), grad
+
+    (out, grad), (out_amp, grad_amp) = run(True), run(False)
+    np.testing.assert_array_equal(out, out_amp)
+    np.testing.assert_array_equal(grad, grad_amp)
+
+    # the float32 net on the same bfloat16 weights and input: other values
     net, reference = cnn(seed=5), cnn(seed=5)
     mpx.Trainer(net, "sgd", {"learning_rate": 0.1}, policy="O2-bf16")
     for mine, theirs in zip(
         reference.collect_params().values(), net.collect_params().values(), strict=True
     ):
         mine.set_data(mpx.cast(theirs.data(), "float32"))  # the bf16-rounded weights
-    if hybrid:
-        net.hybridize()
-        reference.hybridize()
-    rounded_x = mpx.cast(mpx.cast(x, "bfloat16"), "float32")
-    outputs = []
-    for model, data in ((net, x), (reference, rounded_x)):
-        with autograd.record():
-            out = model(data)
-        out.backward()
-        outputs.append(mpx.cast(mpx.cast(out, "bfloat16"), "float32").asnumpy())
-    np.testing.assert_array_equal(outputs[0], outputs[1])
-    grads = [mpx.cast(m[0].weight.grad(), "bfloat16") for m in (net, reference)]
-    np.testing.assert_array_equal(*(mpx.cast(g, "float32").asnumpy() for g in grads))
-    assert dtype_of(net[0].weight.grad()) == "bfloat16"
+    with autograd.record():
+        float32_out = reference(mpx.cast(mpx.cast(x, "bfloat16"), "float32"))
+    assert not np.array_equal(out, mpx.cast(mpx.cast(float32_out, "bfloat16"), "float32").asnumpy())
 
 
 @pytest.mark.cpu_isa
 def test_an_activation_read_outside_the_islands_stays_bfloat16() -> None:
-    """The chain only feeds islands: a bfloat16-capable op reading an island's output (here
-    the user's own ``+``) gets the bfloat16 value, the next island the float32 one."""
+    """A bfloat16-capable op reading an island's output (here the user's own ``+``) gets the
+    bfloat16 value; the next island the same value, widened by mixprec's fast cast."""
 
     class Residual(gluon.HybridBlock):
         def __init__(self) -> None:
@@ -190,7 +213,7 @@ def test_an_activation_read_outside_the_islands_stays_bfloat16() -> None:
     assert {dtypes[nodes[i]["name"]] for i, *_ in add["inputs"]} == {"bfloat16"}
     fc = [n for n in nodes if n["op"] == "FullyConnected"]
     if bf16_computes("FullyConnected") == "float32":  # two islands in a row
-        assert nodes[fc[1]["inputs"][0][0]] is fc[0]  # outer reads inner's float32 output
+        assert _source(nodes[fc[1]["inputs"][0][0]]) == "mixprec_cast"  # no amp_cast
 
 
 def test_the_island_warning_points_at_the_users_trainer_line() -> None:

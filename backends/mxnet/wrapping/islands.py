@@ -16,16 +16,20 @@ masters and the saved values are those of the policy. Ops called through ``mx.nd
 directly (not through ``F``) are not seen.
 
 **Chained islands.** On a CPU without AVX512-BF16 whole runs of ops are islands (a CNN's
-Conv -> BatchNorm -> ReLU -> MaxPool, all of them). Casting each island's float32 output to
-bfloat16 only for the next island to cast it straight back costs two ``amp_cast`` passes over
-the activation per op boundary, forward and backward (they were 85% of an O2-bf16 CNN step
-on an AVX2 CPU), and rounds the activation for nothing. Inside :func:`chained_islands` (the
-Trainer's boundary opens it around each forward call of the net) an island reads the float32
-output of the island before it directly; the bfloat16 cast is still made, and used, wherever
-anything else reads the activation (a bfloat16-capable op, a residual ``+``, the net's output),
-so every value outside a run of islands is what it was. Layout ops (``Flatten``, ``reshape``,
-...) between two islands are applied to the float32 value and cast after: rounding commutes
-with them, so their bfloat16 result is bit for bit the same.
+Conv -> BatchNorm -> ReLU -> MaxPool, all of them). Each island's output is rounded to
+bfloat16, as the policy says (the activations between ops are bfloat16: on a CPU with the
+kernels the next op reads exactly that), but reading it back through ``amp_cast`` costs
+~90 ns per element forward and ~170 ns back on an AVX2 CPU (casts were 85% of an O2-bf16
+CNN step there). Inside :func:`chained_islands` (the Trainer's boundary opens it around each
+forward call of the net) an island reading the bfloat16 output of the island before it
+widens it with ``Cast`` instead (exact), its gradient rounded to bfloat16 on the way back by
+float32 ops (:func:`~mixprec_mxnet.bf16_rounding.symbol_from_bf16`,
+:func:`~mixprec_mxnet.bf16_rounding.from_bf16_recorded`): ``amp_cast``'s bits, forward and
+backward. Layout ops (``Flatten``, ``reshape``, ...) between two islands are applied to that
+float32 value and cast after: rounding commutes with them, so their bfloat16 result is bit
+for bit the same. (Until 2026-11-29 the next island read the *unrounded* float32 output, so
+O2-bf16 on AVX2 kept float32 activations through every run of islands: not the policy's
+numerics, tests/mxnet/test_mx_island_numerics.py.)
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from mxnet.symbol import Symbol
 
 from mixprec.kit import BFLOAT16, FLOAT32, is_low_precision
 
-from ..bf16_rounding import symbol_from_bf16, symbol_to_bf16
+from ..bf16_rounding import from_bf16_recorded, symbol_from_bf16, symbol_to_bf16
 from ..dtypes import cast, dtype_name, mx_dtype, mx_type_code
 
 __all__ = [
@@ -112,16 +116,16 @@ def converting() -> bool:
     return _CONVERTING.get()
 
 
-#: Within :func:`chained_islands`: ``id(cast back) -> (cast back, float32 value, dtype)`` for
-#: each island output cast back in this forward call (holding both keeps the ids unique).
-_CHAIN: ContextVar[dict[int, tuple[Any, Any, str]] | None] = ContextVar(
+#: Within :func:`chained_islands`: ``id(cast back) -> (cast back, dtype)`` for each island
+#: output cast back in this forward call (holding it keeps the ids unique).
+_CHAIN: ContextVar[dict[int, tuple[Any, str]] | None] = ContextVar(
     "mixprec_island_chain", default=None
 )
 
 
 @contextlib.contextmanager
 def chained_islands() -> Iterator[None]:
-    """Let islands read the float32 output of the island before them during this block."""
+    """Let islands widen the output of the island before them by fast casts in this block."""
     token = _CHAIN.set({})
     try:
         yield
@@ -130,25 +134,35 @@ def chained_islands() -> Iterator[None]:
 
 
 def _chained(value: Any) -> tuple[Any, str] | None:
-    """The float32 value and dtype behind ``value`` when it is an island's output cast back."""
+    """``value`` widened to float32 (exact, the gradient rounded back to ``value``'s dtype)
+    and its dtype, when it is an island's output cast back in this forward call."""
     chain = _CHAIN.get()
     if chain is None or isinstance(value, (list, tuple)):
         return None
     entry = chain.get(id(value))
-    return (entry[1], entry[2]) if entry is not None and entry[0] is value else None
+    if entry is None or entry[0] is not value:
+        return None
+    dtype = entry[1]
+    if dtype == BFLOAT16:
+        wide = symbol_from_bf16(value) if isinstance(value, Symbol) else from_bf16_recorded(value)
+    elif isinstance(value, Symbol):
+        wide = mx.sym.amp_cast(value, dtype=mx_dtype(FLOAT32))
+    else:
+        wide = cast(value, FLOAT32)
+    return wide, dtype
 
 
-def _remember(back: Any, fp32: Any, dtype: str) -> Any:
+def _remember(back: Any, dtype: str) -> Any:
     chain = _CHAIN.get()
-    if chain is not None and (not isinstance(fp32, NDArray) or dtype_name(fp32.dtype) == FLOAT32):
-        chain[id(back)] = (back, fp32, dtype)
+    if chain is not None:
+        chain[id(back)] = (back, dtype)
     return back
 
 
 def enter(value: Any, dtype: str = FLOAT32) -> Any:
     """Floating arrays/Symbols in ``value`` (nested lists/tuples) cast to ``dtype`` for an
-    island computing in it; inside :func:`chained_islands`, an island output cast back gives
-    its float32 value when ``dtype`` is float32 (no cast at all)."""
+    island computing in it; inside :func:`chained_islands`, an island output cast back is
+    widened by :func:`_chained`'s fast casts when ``dtype`` is float32."""
     chained = _chained(value) if dtype == FLOAT32 else None
     if chained is not None:
         return chained[0]
@@ -165,17 +179,19 @@ def enter(value: Any, dtype: str = FLOAT32) -> Any:
 
 def leave(value: Any, dtype: str, inside: str = FLOAT32) -> Any:
     """An island's outputs ``value`` (computed in ``inside``) cast back to ``dtype``;
-    inside :func:`chained_islands` a float32 output is remembered for the next island."""
+    inside :func:`chained_islands` the cast of a float32 output is remembered for the next
+    island."""
     if isinstance(value, NDArray):
         back = cast(value, dtype)
-        return _remember(back, value, dtype) if inside == FLOAT32 else back
+        wide = inside == FLOAT32 and dtype_name(value.dtype) == FLOAT32
+        return _remember(back, dtype) if wide else back
     if isinstance(value, Symbol):
         outputs = len(value.list_outputs())
         target = mx_dtype(dtype)
         if outputs == 1:
             fast = dtype == BFLOAT16 and inside == FLOAT32
             back = symbol_to_bf16(value) if fast else mx.sym.amp_cast(value, dtype=target)
-            return _remember(back, value, dtype) if inside == FLOAT32 else back
+            return _remember(back, dtype) if inside == FLOAT32 else back
         return mx.sym.Group([mx.sym.amp_cast(value[i], dtype=target) for i in range(outputs)])
     if isinstance(value, (list, tuple)):
         return type(value)(leave(v, dtype, inside) for v in value)
@@ -211,8 +227,8 @@ def island_call(op: str, fn: Callable[..., Any], dtype: str, *args: Any, **kwarg
 
 
 def layout_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` for a layout op: on the float32 value behind an island's
-    output (then cast back, and chained on) where there is one, else unchanged."""
+    """``fn(*args, **kwargs)`` for a layout op: on an island's output widened (then cast
+    back, and chained on) where there is one, else unchanged."""
     chained = _chained(args[0]) if args else None
     if chained is None:
         return fn(*args, **kwargs)
