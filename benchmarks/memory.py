@@ -16,11 +16,20 @@ Two methods, each in processes of its own:
 - **peak RSS growth** (a cross-check): without the profiler, ``ru_maxrss`` after the two steps
   minus ``ru_maxrss`` before the model is built. It includes allocator caching and library
   buffers, and misses memory freed back to the OS and re-used below an earlier high-water mark.
+
+What is alive at the peak: ``python -m benchmarks.memory [CONTENDER ...]`` runs the same
+build and two steps under the profiler with shapes and Python stacks recorded
+(:func:`peak_breakdown`, not part of the case: stacks slow the run) and prints the
+allocations live at the peak of the replay, grouped by the operator and the line of code
+that made them.
 """
 
 from __future__ import annotations
 
+import argparse
 import resource
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.runner import Case, Job, JobResult, Measurement, Options, error_text, setup_torch
@@ -50,6 +59,105 @@ def _replay_peak(prof: Any) -> float:
     if not events:
         raise RuntimeError("the profiler recorded no memory events")
     return float(peak)
+
+
+_HELPERS = ("aten::empty", "aten::empty_strided")
+"""Allocating operators named by the operator that called them instead."""
+
+
+def _op_label(node: Any) -> str:
+    """``aten::addmm(bfloat16 [8192, 512], ...)``: the operator and its floating inputs."""
+    inputs = []
+    for value in node.typed[1].inputs:
+        if getattr(value, "dtype", None) is not None and getattr(value, "sizes", None):
+            inputs.append(f"{str(value.dtype).removeprefix('torch.')} {list(value.sizes)}")
+    return f"{node.name}({', '.join(inputs)})"
+
+
+def _live_at_peak(prof: Any) -> tuple[int, list[tuple[int, str]]]:
+    """The peak of the replayed CPU allocations and what was alive then: (bytes, label) per
+    allocation, labelled with the innermost operator that is not an allocation helper and the
+    innermost Python line outside torch."""
+    from torch._C._profiler import _EventType
+
+    allocations: list[tuple[int, int, int, str]] = []  # time, address, bytes (< 0: free), label
+
+    def walk(node: Any, op: str, line: str) -> None:
+        kind = node.typed[0]
+        if kind == _EventType.Allocation:
+            fields = node.typed[1]
+            if fields.device.type == "cpu":
+                allocations.append((node.start_time_ns, fields.ptr, fields.alloc_size, op + line))
+            return
+        if kind == _EventType.TorchOp and node.name not in _HELPERS:
+            op = _op_label(node)
+        elif kind == _EventType.PyCall:
+            try:
+                name = node.name
+            except UnicodeDecodeError:  # a frame name the profiler stored cut
+                name = ""
+            if name and not name.startswith("torch/") and "site-packages" not in name:
+                line = f" in {name}"
+        for child in node.children:
+            walk(child, op, line)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, "", "")
+    allocations.sort(key=lambda a: a[0])
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: list[tuple[int, str]] = []
+    for _, address, nbytes, label in allocations:
+        if nbytes > 0:
+            live[address] = (nbytes, label)
+        else:
+            live.pop(address, None)
+        total += nbytes
+        if total > peak:
+            peak, at_peak = total, list(live.values())
+    return peak, at_peak
+
+
+def peak_breakdown(contender: str) -> tuple[float, list[tuple[str, int, float]]]:
+    """The peak tensor memory of ``contender`` (MiB) and what was alive at the peak, largest
+    first: (label, allocations, MiB) per operator and line of code."""
+    setup_torch()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        step = make_step(contender, "activations")
+        step()
+        step()
+    peak, live = _live_at_peak(prof)
+    groups: dict[str, list[int]] = {}
+    for nbytes, label in live:
+        groups.setdefault(label, []).append(nbytes)
+    rows = [(label, len(sizes), sum(sizes) / MIB) for label, sizes in groups.items()]
+    rows.sort(key=lambda row: -row[2])
+    return peak / MIB, rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.memory", description="What is alive at the peak."
+    )
+    parser.add_argument("contenders", nargs="*", default=list(CONTENDERS))
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    for contender in args.contenders:
+        peak, rows = peak_breakdown(contender)
+        print(f"{contender}: peak {peak:.2f} MiB")
+        for label, count, mib in rows:
+            if mib >= 0.25:
+                print(f"  {mib:8.2f} MiB  {count:3d} ×  {label}")
+        small = sum(mib for _, _, mib in rows if mib < 0.25)
+        print(f"  {small:8.2f} MiB        the rest (groups under 0.25 MiB)")
+    return 0
 
 
 def tensor_peak(opts: Options, contender: str) -> JobResult:
@@ -120,3 +228,7 @@ CASE = Case(
         "is built, without the profiler (one process per sample)."
     ),
 )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
