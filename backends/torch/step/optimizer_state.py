@@ -190,7 +190,16 @@ class Layout:
     """What the step derives from the optimizer's parameter groups: built on first use
     (:func:`mixprec_torch.step.protocol.layout`), replaced whole when the groups change."""
 
-    __slots__ = ("fusable", "guard_plan", "masters", "model_of", "pairs", "params", "versions")
+    __slots__ = (
+        "foreach_sgd",
+        "fusable",
+        "guard_plan",
+        "masters",
+        "model_of",
+        "pairs",
+        "params",
+        "versions",
+    )
 
     def __init__(self, params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
         self.params = params
@@ -210,6 +219,10 @@ class Layout:
         weight a contiguous CPU tensor the strategy handles, or a float32 CPU one); decided
         once per layout (the groups' options are checked at each use: a compiled step may
         change them). None: not decided yet."""
+        self.foreach_sgd: int | None = None
+        """A ``torch.optim.SGD`` over float32/float64 CPU tensors: their element count, the
+        foreach update's bits being the for-loop's (:mod:`.master_update`); 0: another
+        optimizer. None: not decided yet."""
         self.versions: list[int] | None = None
         """The version counters of :attr:`params` after the last master copy; None until the
         first step of this layout (:mod:`.model_edits`)."""
@@ -222,6 +235,7 @@ class Iteration:
 
     __slots__ = (
         "checked",
+        "dense_grads",
         "found_inf",
         "found_on_host",
         "grad_marks",
@@ -252,6 +266,9 @@ class Iteration:
         self.grad_marks: tuple[list[torch.Tensor | None], list[int]] | None = None
         """After ``unscale_``: the model gradients and their version counters, to notice a
         clip of the model's gradients before the check (:mod:`.model_edits`)."""
+        self.dense_grads = False
+        """The guard's latest check read every gradient the optimizer applies, and none was
+        sparse (torch's foreach SGD may take them: :mod:`.master_update`)."""
         self.grads_cast = False
         """This step's gradients were cast into the masters' ``.grad`` (False: under the
         fused compensated update the model's own gradients are read instead)."""

@@ -82,6 +82,7 @@ from ..torch_private import (
 from .checkpoint import is_dcp_init_step
 from .diagnostics import record_overflows
 from .distributed import all_reduce_found_inf, check_first_step, consensus_group, is_distributed
+from .master_update import foreach_groups, foreach_sgd_elements
 from .model_edits import (
     cast_grads_into,
     grad_buffers,
@@ -221,6 +222,7 @@ def unscale(
                 it.found_inf = []
                 it.found_on_host = found
                 it.unchecked = False
+                it.dense_grads = True  # the pass takes strided gradients only
                 return
     copy_grads_to_masters(st, optimizer)
     by_device = _grads_by_device(st, optimizer)
@@ -278,10 +280,12 @@ def check_grads(st: OptimizerState, optimizer: torch.optim.Optimizer) -> None:
 def _grads_by_device(
     st: OptimizerState, optimizer: torch.optim.Optimizer
 ) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
-    """The gradients the optimizer applies (this rank's part), by device and dtype."""
+    """The gradients the optimizer applies (this rank's part), by device and dtype; whether
+    none is sparse goes to the iteration (:attr:`Iteration.dense_grads`)."""
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
         lambda: defaultdict(list)
     )
+    dense = True
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
@@ -290,10 +294,12 @@ def _grads_by_device(
             if st.local is not None:
                 grad = st.local(grad)
             if grad.is_sparse:
+                dense = False
                 if grad.dtype is torch.float16 and not grad.is_coalesced():
                     param.grad = grad = grad.coalesce()
                 grad = sparse_values(grad)
             by_device[grad.device][grad.dtype].append(grad)
+    st.iteration.dense_grads = dense
     return by_device
 
 
@@ -537,7 +543,13 @@ def _update(
     if lowbit is not None:
         lowbit.widen(optimizer)  # the quantized state decoded into float32
     if closure is None:
-        base_class(optimizer).step(optimizer)
+        elements = lay.foreach_sgd
+        if elements is None:
+            elements = lay.foreach_sgd = foreach_sgd_elements(optimizer)
+        if elements and st.iteration.dense_grads:  # torch's foreach SGD: the same bits
+            foreach_groups(optimizer, elements, lambda: base_class(optimizer).step(optimizer))
+        else:
+            base_class(optimizer).step(optimizer)
     else:
         base_class(optimizer).step(optimizer, _reevaluating(st, optimizer, closure, loss))  # type: ignore[call-arg]
     if lowbit is not None:
