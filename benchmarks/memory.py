@@ -62,7 +62,7 @@ def _replay_peak(prof: Any) -> float:
 
 
 _HELPERS = ("aten::empty", "aten::empty_strided")
-"""Allocating operators named by the operator that called them instead."""
+"""Allocating operators named by the operator that called them instead, where one did."""
 
 
 def _op_label(node: Any) -> str:
@@ -89,7 +89,7 @@ def _live_at_peak(prof: Any) -> tuple[int, list[tuple[int, str]]]:
             if fields.device.type == "cpu":
                 allocations.append((node.start_time_ns, fields.ptr, fields.alloc_size, op + line))
             return
-        if kind == _EventType.TorchOp and node.name not in _HELPERS:
+        if kind == _EventType.TorchOp and (not op or node.name not in _HELPERS):
             op = _op_label(node)
         elif kind == _EventType.PyCall:
             try:
