@@ -115,8 +115,8 @@ class MXNetAdapter:
     name = "mxnet"
     device = "cpu"
     master_strategies = ("kahan", "stochastic")
-    #: the low-bit formats only: the Trainer refuses ``state="bfloat16"``
-    state_dtypes = LOWBIT_FORMATS
+    #: bfloat16 (under the compensated strategies) and the low-bit formats
+    state_dtypes = ("bfloat16", *LOWBIT_FORMATS)
 
     def supported_ops(self) -> Collection[str]:
         """Families with a test case whose native ops run every rule in bfloat16 on CPU."""
@@ -196,7 +196,8 @@ class MXNetConformanceTrainer:
 
     def optimizer_state(self) -> dict[str, list[float]]:
         """Momentum buffers, by parameter name; under a low-bit ``state`` as kept between
-        steps: the codes and the block absmax."""
+        steps: the codes and the block absmax; under ``state=bfloat16`` the bfloat16 values,
+        widened."""
         states = self.trainer._updaters[0].states
         out = {}
         for key, param in self._named().items():

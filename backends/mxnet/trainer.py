@@ -97,11 +97,14 @@ class Trainer(ScalerCounters, gluon.Trainer):
         and a skipped step puts the net's BatchNorm running statistics back.
     :param seed: seeds the stochastic rounding of ``master=stochastic`` (``O3-bf16-sr``);
         its random stream is saved by ``save_states``, so a resumed run draws the same numbers.
-        A policy with ``state="bfloat16"`` is refused (``WrapError``): MXNet has no bfloat16
-        optimizer kernels, so the optimizer state stays float32. A low-bit ``state``
-        (``"O2-bf16,state=int8"``; ``int4``, ``fp8``) keeps the momentum or Adam's moments
-        quantized between steps (``sgd``, ``nag``, ``adam``, ``adamw``, ``lamb``; any other
-        optimizer is refused with ``WrapError``), decoded into float32 for each update.
+        Under ``state="bfloat16"`` (``"O3-bf16-kahan,state=bfloat16"``, ``"O3-bf16-sr,..."``)
+        the optimizer state of the compensated parameters is held in bfloat16 between steps,
+        widened to float32 for MXNet's update and rounded back stochastically from the same
+        stream (any optimizer: every float32 state array of the parameter's shape). A
+        low-bit ``state`` (``"O2-bf16,state=int8"``; ``int4``, ``fp8``) keeps the momentum or
+        Adam's moments quantized between steps (``sgd``, ``nag``, ``adam``, ``adamw``,
+        ``lamb``; any other optimizer is refused with ``WrapError``), decoded into float32
+        for each update.
     :param overrides: policy role overrides, e.g. ``loss_scale="dynamic"``.
 
     Example::

@@ -25,20 +25,64 @@ O3-bf16 too the update runs on float32 copies):
 Between steps the working masters stay allocated (as under O3-bf16 on Gluon), so the
 memory saved against O2-bf16 is nil here: what the strategy buys on Gluon is O2's accuracy
 with bfloat16 weights in the forward pass, and 2 more bytes per parameter (the bfloat16
-compensation) under kahan.
+compensation) under kahan. With ``state="bfloat16"`` (below) the optimizer state of the
+compensated parameters takes half its float32 bytes between steps: Adam's 8 bytes per
+parameter become 4, a momentum's 4 become 2.
 
 Checkpoints: ``save_parameters`` writes the working master, ``w + c`` in float32;
 ``save_states`` adds :meth:`Compensation.state_dict` (the exact compensation and the
 generator state). Loading parameters splits each saved value into ``w, c``
 (:meth:`Compensation.split`); loading the states afterwards puts back the saved ``c`` and
 re-derives ``w = nearest(saved - c)``, the weight that was saved, bit for bit.
+
+Optimizer state in bfloat16 (``state="bfloat16"``, :class:`StateRounding`). Under either
+strategy the policy may keep the optimizer's per-parameter state of the compensated
+parameters on the bfloat16 grid between steps (the NumPy reference's ``round_state``); the
+optimizer is unchanged and updates its state in float32, as it updates the working masters:
+
+- the *state arrays* are, in each context's ``updater.states[index]`` (an array, or a tuple
+  or list of them, as the optimizer made it), every dense float32 NDArray of the parameter's
+  shape: SGD's and NAG's momentum, the mean and variance of Adam, AdamW and LAMB, any other
+  optimizer's moments alike; never anything of another shape or dtype. The compensated
+  parameters are the strategy's (:func:`compensated_pairs`): a parameter the
+  policy keeps in float32 keeps its float32 state;
+- between steps each of them is a **bfloat16 NDArray** on the weight's context (2 bytes an
+  element where the optimizer keeps 4); :meth:`StateRounding.widen`, before an updater's
+  update, puts float32 copies in their place (``amp_cast``: widening is exact), so Gluon's
+  updater and the multi-tensor kernels see the float32 state they made;
+- :meth:`StateRounding.narrow`, after every context's update and after the weights (the
+  strategy's :meth:`Compensation.store`), rounds each float32 state array
+  stochastically onto the bfloat16 grid (:func:`round_stochastic`) and puts
+  the result back as a bfloat16 NDArray. The noise is the strategy's generator's (the NumPy
+  ``PCG64`` seeded by the Trainer's ``seed``), drawn after the weights' noise, parameter by
+  parameter in the net's order and, within one parameter, state array by state array in the
+  optimizer's order (Adam: the mean, then the variance), one draw of the parameter's shape
+  each, shared by every context (replicas stay equal). Under kahan the weights draw nothing,
+  so the state's draws are the only ones. This is the NumPy reference's order: its
+  ``Compensation.update`` rounds the weights, then ``round_state``.
+
+Stochastic, not nearest, under both strategies: Adam's variance moves by less than half a
+bfloat16 spacing per step once it is near ``g**2``, and nearest rounding would freeze it.
+A skipped step reaches neither pass: the bfloat16 state stays bit for bit and no noise is
+drawn (the reference does not update on a skip either). A step interrupted between the two
+passes leaves float32 state behind, which the next step's :meth:`~StateRounding.narrow`
+rounds like a fresh one.
+
+Checkpoints: ``save_states`` writes the bfloat16 arrays as they are (``nd.save`` keeps the
+dtype), and with the generator's state (:mod:`~..step.states`) a resume repeats the
+trajectory bit for bit. :meth:`StateRounding.adopt` brings a loaded state into this form: a
+float32 state (a file saved without ``state=bfloat16``, or by ``gluon.Trainer``) is rounded
+to the nearest bfloat16 value (once, drawing no noise, so the saved random stream stays
+where it was), bfloat16 arrays stay; a Trainer without ``state=bfloat16`` widens the
+bfloat16 arrays of a file exactly (:func:`widened`: the way back to float32).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import mxnet as mx
 import numpy as np
 import numpy.typing as npt
 from mxnet import gluon, nd
@@ -46,9 +90,16 @@ from mxnet import gluon, nd
 from mixprec.errors import CheckpointError
 from mixprec.kit import BFLOAT16, FLOAT32, KAHAN
 
-from ..dtypes import cast, cast_into, dtype_name
+from ..dtypes import BFLOAT16_NP, cast, cast_into, dtype_name
 
-__all__ = ["Compensation", "compensated_pairs", "round_stochastic"]
+__all__ = [
+    "Compensation",
+    "StateRounding",
+    "compensated_pairs",
+    "is_bfloat16",
+    "round_stochastic",
+    "widened",
+]
 
 _LOW_MASK = np.uint32(0xFFFF0000)
 Float32Array = npt.NDArray[np.float32]
@@ -222,3 +273,158 @@ def compensated_pairs(
         for p, m in pairs
         if m is not p and p.grad_req != "null" and dtype_name(p.dtype) == BFLOAT16
     ]
+
+
+# ---------------------------------------------------------------------- state="bfloat16"
+
+
+_F32 = np.dtype(np.float32)
+_QUIET = np.uint16(0x0040)
+
+
+def is_bfloat16(array: Any) -> bool:
+    """Whether ``array`` is a bfloat16 NDArray."""
+    return isinstance(array, nd.NDArray) and np.dtype(array.dtype) == BFLOAT16_NP
+
+
+def _each(state: Any, fn: Callable[[int, Any], Any]) -> Any:
+    """``state`` with ``fn(position, array)`` applied to each of its arrays (an array, or a
+    tuple or list of them; anything else stays)."""
+    if isinstance(state, (tuple, list)):
+        items = [fn(i, a) for i, a in enumerate(state)]
+        return tuple(items) if isinstance(state, tuple) else items
+    return state if state is None else fn(0, state)
+
+
+def widened(state: Any, ctx: mx.Context | None = None) -> Any:
+    """``state`` with every bfloat16 NDArray widened exactly into a float32 one (on ``ctx``,
+    default the array's context); other arrays stay."""
+
+    def widen(_: int, array: Any) -> Any:
+        if not is_bfloat16(array):
+            return array
+        wide = cast(array, FLOAT32)
+        return wide if ctx is None or wide.context == ctx else wide.as_in_context(ctx)
+
+    return _each(state, widen)
+
+
+def _rounds(array: Any, shape: Sequence[int]) -> bool:
+    """Whether ``array`` is a state array the policy keeps in bfloat16: a dense float32
+    NDArray of the parameter's ``shape``."""
+    return (
+        type(array) is nd.NDArray
+        and array.stype == "default"
+        and np.dtype(array.dtype) == _F32
+        and tuple(array.shape) == tuple(shape)
+    )
+
+
+def _bfloat16(values: npt.NDArray[np.float32], ctx: mx.Context) -> nd.NDArray:
+    """A bfloat16 NDArray on ``ctx`` holding float32 ``values`` that are on the bfloat16
+    grid (their low 16 bits clear; a NaN stays a NaN): the high half of each pattern."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    high = (bits >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():  # a NaN whose payload sat in the low half would read as inf
+        high[nan] |= _QUIET
+    out = nd.empty(values.shape, ctx=ctx, dtype=BFLOAT16_NP)
+    if values.size:
+        out[:] = high.view(BFLOAT16_NP)
+    return out
+
+
+class StateRounding:
+    """The bfloat16 optimizer state of one Trainer's compensated parameters (the module).
+
+    :param compensation: the strategy whose parameters' state is kept in bfloat16, and
+        whose generator draws the noise (its ``pairs`` give the order).
+    :param index_of: ``id(model parameter)`` -> the Trainer's index of it (the key of its
+        state in ``updater.states``).
+    """
+
+    def __init__(self, compensation: Compensation, index_of: Mapping[int, int]) -> None:
+        self.compensation = compensation
+        #: the Trainer index of each compensated parameter, in the order noise is drawn in
+        self.indices = [index_of[id(param)] for param, _ in compensation.pairs]
+        self.shapes = {
+            i: tuple(param.shape)
+            for i, (param, _) in zip(self.indices, compensation.pairs, strict=True)
+        }
+        self._stepping: list[tuple[Any, dict[int, nd.NDArray]]] = []
+        """The updaters :meth:`widen` saw this step, each with its updated compensated
+        parameters' weights by index."""
+
+    def rounds(self, index: int) -> bool:
+        """Whether the parameter at ``index`` keeps its state in bfloat16."""
+        return index in self.shapes
+
+    # ------------------------------------------------------------------ the step
+
+    def begin(self) -> None:
+        """A step's update starts (whatever an interrupted one left is forgotten: its
+        states are float32 then, and the next :meth:`narrow` rounds them)."""
+        self._stepping = []
+
+    def widen(self, updater: Any, indices: Sequence[int], weights: Sequence[nd.NDArray]) -> None:
+        """Before ``updater`` updates ``weights``: the bfloat16 state of the compensated
+        ones widened into float32 arrays on each weight's context."""
+        mine: dict[int, nd.NDArray] = {}
+        for index, weight in zip(indices, weights, strict=True):
+            if index not in self.shapes:
+                continue
+            mine[index] = weight
+            state = updater.states.get(index)
+            if state is not None:
+                updater.states[index] = widened(state, weight.context)
+        self._stepping.append((updater, mine))
+
+    def narrow(self) -> None:
+        """After every context's update and the weights' rounding: each updated state array
+        rounded stochastically into a bfloat16 NDArray, the noise drawn per parameter (net
+        order) and state array, shared by the contexts."""
+        stepping, self._stepping = self._stepping, []
+        rng = self.compensation.rng
+        for index in self.indices:
+            held = [(u, mine[index]) for u, mine in stepping if index in mine]
+            states = [u.states.get(index) for u, _ in held]
+            if not held or any(s is None for s in states):
+                continue
+            shape = self.shapes[index]
+            positions = _positions(states[0], shape)
+            rounded: list[dict[int, nd.NDArray]] = [{} for _ in held]
+            for position in positions:
+                noise = rng.integers(0, 1 << 16, size=shape, dtype=np.uint32)
+                for j, ((_, weight), state) in enumerate(zip(held, states, strict=True)):
+                    array = _at(state, position)
+                    if not _rounds(array, shape):
+                        continue  # a replica whose state is not float32 here keeps it
+                    values = round_stochastic(array.asnumpy(), noise)
+                    rounded[j][position] = _bfloat16(values, weight.context)
+            for (updater, _), state, new in zip(held, states, rounded, strict=True):
+                updater.states[index] = _each(state, new.get)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def adopt(self, index: int, state: Any, shape: Sequence[int]) -> Any:
+        """A loaded (checked, float32) state as this policy keeps it: for a compensated
+        parameter each state array rounded to the nearest bfloat16 value (exact for values
+        saved in bfloat16; no noise drawn), else as it is."""
+        if index not in self.shapes:
+            return state
+
+        def narrow(_: int, array: Any) -> Any:
+            return cast(array, BFLOAT16) if _rounds(array, shape) else array
+
+        return _each(state, narrow)
+
+
+def _positions(state: Any, shape: Sequence[int]) -> list[int]:
+    """The positions of ``state``'s arrays kept in bfloat16: float32 ones of ``shape``."""
+    found: list[int] = []
+    _each(state, lambda p, a: found.append(p) if _rounds(a, shape) else None)
+    return found
+
+
+def _at(state: Any, position: int) -> Any:
+    return state[position] if isinstance(state, (tuple, list)) else state

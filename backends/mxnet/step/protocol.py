@@ -18,9 +18,12 @@ not). The iteration:
    (:func:`write_model`), or a skip that leaves weights and optimizer state untouched.
    Under ``master=kahan|stochastic`` the update runs on float32 working values that
    :mod:`~..compensated.compensation` fills before it and rounds back into the bfloat16
-   weights after it. Under a low-bit ``state`` (``int8``, ``int4``, ``fp8``) the optimizer's
-   state is decoded into float32 before each context's update and encoded after the model is
-   written (:mod:`~..lowbit.state`).
+   weights after it; with ``state="bfloat16"`` the compensated parameters' optimizer state
+   is widened from bfloat16 into float32 before each context's update and rounded back
+   stochastically after the weights (``StateRounding`` in that module). Under a low-bit
+   ``state`` (``int8``, ``int4``, ``fp8``) the optimizer's state is decoded into float32
+   before each context's update and encoded after the model is written
+   (:mod:`~..lowbit.state`).
 
 Cost per step beyond ``gluon.Trainer``'s update, for O2 with float32 masters, per context:
 one ``amp_multicast`` for all gradients (model -> master), ``multi_sum_sq`` + ``sum`` +
@@ -49,7 +52,7 @@ from mixprec.kit import FLOAT32, NORM_LIMIT, OverflowRecord, Stage
 from ..dtypes import cast, cast_into, dtype_name, mx_dtype
 from ..gluon_private import consume_fresh_grad, has_fresh_grad
 from . import distributed, multi_tensor
-from .trainer_state import TrainerState, names_by_id
+from .trainer_state import TrainerState, names_by_id, state_rounding
 
 __all__ = [
     "check_batch_size",
@@ -272,22 +275,28 @@ def _update(st: TrainerState, trainer: gluon.Trainer, ignore_stale_grad: bool) -
                 consume_fresh_grad(data)
                 if weight is not data:
                     copies.append((weight, data))
-    compensation, lowbit = st.compensation, st.lowbit
+    compensation, lowbit, bf16_state = st.compensation, st.lowbit, state_rounding(st)
     if compensation is not None:  # master=kahan|stochastic: float32 working values
         compensation.fill()  # w + c (kahan) or w
     if lowbit is not None:
         lowbit.begin()
+    if bf16_state is not None:
+        bf16_state.begin()
     for updater, upd in zip(trainer._updaters, updates, strict=True):
         if upd:
             indices, grads, weights = zip(*upd, strict=True)
             if lowbit is not None:  # state=int8|int4|fp8: the codes decoded into float32
                 lowbit.widen(updater, indices, weights)
+            if bf16_state is not None:  # state=bfloat16: widened into float32, exactly
+                bf16_state.widen(updater, indices, weights)
             multi_tensor.update(updater, indices, grads, weights)  # or updater(...)
     if compensation is not None:  # round back into bfloat16, the residual or noise kept
         copies = compensation.store(copies)
     _write_models(st, copies)
     if lowbit is not None:  # encoded again, after the model is written: a refused
         lowbit.narrow()  # moment (PolicyError) leaves the masters and the model in step
+    if bf16_state is not None:  # after the weights' noise: the same stream, net order
+        bf16_state.narrow()
 
 
 def _write_models(st: TrainerState, copies: Sequence[tuple[nd.NDArray, nd.NDArray]]) -> None:

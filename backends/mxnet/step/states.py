@@ -15,6 +15,12 @@ changes); a float32 state (saved without a low-bit ``state``, or by ``gluon.Trai
 encoded on load, lossy as a step is; codes of parameters this Trainer keeps in float32 (no
 low-bit ``state``, or ``min_size``/``keep`` changed) are decoded: the way back to float32.
 
+Under ``state=bfloat16`` the file holds the compensated parameters' optimizer state as the
+bfloat16 arrays kept between steps (with the strategy's random stream), and resumes bit for
+bit. As with a low-bit format the policy must match but for its ``state`` item: a float32
+state is rounded to the nearest bfloat16 value on load (no noise drawn), codes are decoded
+first; a Trainer without ``state=bfloat16`` widens bfloat16 arrays into float32 exactly.
+
 Optimizer state is matched to parameters by their structural names (``"0.weight"``), so a
 net whose Gluon names (``dense3_weight``) differ from the saved one's resumes all the same.
 A plain ``gluon.Trainer`` states file loads too (the loss scale then starts afresh, with a
@@ -38,15 +44,17 @@ from mxnet import gluon, nd
 from mixprec.errors import CheckpointError, MixprecError, MixprecWarning
 from mixprec.kit import LossScaler, Policy, atomic_path
 
+from ..compensated.compensation import is_bfloat16, widened
 from ..gluon_private import set_update_counts
 from ..lowbit.state import LowBitArray, check_saved, decoded
 from .checkpoint import save_arrays
 from .state_files import SavedStates, optimizer_record, read_states, seal, states_arrays
-from .trainer_state import TrainerState, names_by_id, param_names, trainer_state
+from .trainer_state import TrainerState, names_by_id, param_names, state_rounding, trainer_state
 
 __all__ = ["load_states", "save_states"]
 
 _PRIMITIVES = (bool, int, float, str, type(None))
+_F32 = np.dtype(np.float32)
 
 
 def save_states(trainer: gluon.Trainer, filename: str) -> None:
@@ -217,13 +225,23 @@ def _arrays(state: Any) -> list[Any]:
 
 
 def _adopted(st: TrainerState, per_param: Mapping[int, Any]) -> dict[int, Any]:
-    """The checked per-parameter states as this Trainer keeps them: under a low-bit
-    ``state``, float32 moments of the parameters it quantizes encoded and codes of the
-    others decoded; without one, every code decoded (the way back to float32 state)."""
-    lowbit = st.lowbit
-    if lowbit is None:
-        return {i: decoded(state) for i, state in per_param.items()}
-    return {i: lowbit.adopt(i, state, st.params[i].shape) for i, state in per_param.items()}
+    """The checked per-parameter states as this Trainer keeps them. bfloat16 state arrays
+    (saved under ``state=bfloat16``) are first widened into float32, exactly. Then: under a
+    low-bit ``state``, float32 moments of the parameters it quantizes encoded and codes of
+    the others decoded; under ``state=bfloat16``, codes decoded and the state arrays of the
+    compensated parameters rounded to the nearest bfloat16 value (exact for bfloat16 ones);
+    without either, every code decoded (the way back to float32 state)."""
+    lowbit, rounding = st.lowbit, state_rounding(st)
+    adopted = {}
+    for i, state in per_param.items():
+        state = widened(state)
+        if lowbit is not None:
+            adopted[i] = lowbit.adopt(i, state, st.params[i].shape)
+        elif rounding is not None:
+            adopted[i] = rounding.adopt(i, decoded(state), st.params[i].shape)
+        else:
+            adopted[i] = decoded(state)
+    return adopted
 
 
 def _check_per_param(st: TrainerState, per_param: Mapping[Any, Any], filename: str) -> None:
@@ -258,7 +276,10 @@ def _check_per_param(st: TrainerState, per_param: Mapping[Any, Any], filename: s
                     f"{param.name!r} of shape {param.shape}; load states saved by a Trainer "
                     "over the same net"
                 )
-            if expected is not None and np.dtype(array.dtype) != expected:
+            bf16 = is_bfloat16(array)  # state=bfloat16: a float32 state as kept between steps
+            if bf16 and expected in (None, _F32):
+                array = widened(array)
+            elif expected is not None and np.dtype(array.dtype) != expected:
                 raise CheckpointError(
                     f"{filename!r} holds {np.dtype(array.dtype).name} optimizer state "
                     f"(parameter {name!r}, state {position}) where this Trainer keeps "

@@ -19,10 +19,18 @@ from collections import deque
 import mxnet as mx
 from mxnet import gluon, nd
 
-from mixprec.kit import FLOAT32, LossScaler, MasterWeights, OverflowRecord, Policy, StepTracker
+from mixprec.kit import (
+    BFLOAT16,
+    FLOAT32,
+    LossScaler,
+    MasterWeights,
+    OverflowRecord,
+    Policy,
+    StepTracker,
+)
 
 from ..blocks import BlockTree
-from ..compensated.compensation import Compensation
+from ..compensated.compensation import Compensation, StateRounding
 from ..dtypes import cast
 from ..gluon_private import params_with_prefix
 from ..lowbit.state import LowBitState
@@ -36,6 +44,7 @@ __all__ = [
     "named_params",
     "names_by_id",
     "param_names",
+    "state_rounding",
     "trainer_state",
 ]
 
@@ -82,6 +91,9 @@ class TrainerState:
     lowbit: LowBitState | None = None
     """Under a low-bit ``state`` (``int8``, ``int4``, ``fp8``): the optimizer state's codes
     decoded around each update, and the checks and conversions of a load."""
+    bf16_state: StateRounding | None = None
+    """Under ``state="bfloat16"``: the compensated parameters' optimizer state widened around
+    each update and rounded back stochastically (made with the strategy: :func:`state_rounding`)."""
     buffers: dict[int, list[nd.NDArray]] = dataclasses.field(default_factory=dict)
     """Per parameter id: the gradient buffers in the reduce dtype, where neither the model's
     nor the master's gradients have it."""
@@ -95,6 +107,19 @@ def trainer_state(trainer: gluon.Trainer) -> TrainerState:
     """The mixprec state of a mixprec Trainer (``trainer._mixprec``)."""
     st: TrainerState = trainer._mixprec
     return st
+
+
+def state_rounding(st: TrainerState) -> StateRounding | None:
+    """Under ``state="bfloat16"``, once the masters (and with them the strategy) exist: the
+    rounding of the compensated parameters' optimizer state; None otherwise."""
+    comp = st.compensation
+    if st.policy.state != BFLOAT16 or comp is None:
+        return None
+    rounding = st.bf16_state
+    if rounding is None or rounding.compensation is not comp:
+        index_of = {id(p): i for i, p in enumerate(st.params)}
+        rounding = st.bf16_state = StateRounding(comp, index_of)
+    return rounding
 
 
 def named_params(st: TrainerState) -> dict[str, gluon.Parameter]:

@@ -11,7 +11,14 @@ from typing import Any
 from mxnet import gluon
 
 from mixprec.errors import MixprecWarning, WrapError
-from mixprec.kit import BFLOAT16, Policy, is_low_precision, parse_state_format
+from mixprec.kit import (
+    BFLOAT16,
+    KAHAN,
+    STOCHASTIC,
+    Policy,
+    is_low_precision,
+    parse_state_format,
+)
 
 from ..blocks import BlockTree
 from ..dtypes import dtype_name
@@ -55,19 +62,24 @@ def shape_refusal(net: gluon.Block | None, args: Sequence[Any], err: Exception) 
 
 
 def check_state(policy: Policy) -> None:
-    """Refuse ``state=bfloat16``: MXNet has no bfloat16 optimizer kernels and the Trainer
-    keeps float32 working copies between steps anyway, so it would save nothing here. A
+    """Refuse a ``state`` the Gluon Trainer cannot keep. ``state=bfloat16`` is kept under
+    the compensated strategies (``master=kahan|stochastic``, which the policy already
+    requires of it; ``StateRounding`` in :mod:`~mixprec_mxnet.compensated.compensation`); a
     low-bit ``state`` (``int8``, ``int4``, ``fp8``) is kept as codes between steps
-    (:mod:`~mixprec_mxnet.lowbit`)."""
-    if policy.state is not None and parse_state_format(policy.state) is None:
-        raise WrapError(
-            f"policy {policy.label} keeps the optimizer state in {policy.state} between steps "
-            "(state=bfloat16), which the Gluon Trainer does not support: MXNet's optimizers "
-            "have no bfloat16 kernels and keep their state beside the float32 working "
-            f"copies the Trainer holds between steps. Drop the item (policy="
-            f"'{_without_state(policy)!s}'), keep the state in 8 or 4 bits instead "
-            "(state=int8, int4 or fp8), or use the torch backend for bfloat16 state"
-        )
+    (:mod:`~mixprec_mxnet.lowbit`). Anything else (a policy built around the policy's own
+    checks) is refused, naming what works."""
+    state = policy.state
+    if state is None or parse_state_format(state) is not None:
+        return
+    if state == BFLOAT16 and policy.master_strategy in (KAHAN, STOCHASTIC):
+        return
+    raise WrapError(
+        f"policy {policy.label} keeps the optimizer state in {state} between steps, which "
+        "the Gluon Trainer supports only as state=bfloat16 under a compensated strategy "
+        "(master=kahan or master=stochastic: 'O3-bf16-kahan,state=bfloat16', "
+        "'O3-bf16-sr,state=bfloat16') or as a low-bit format (state=int8, int4 or fp8). "
+        f"Use one of those, or drop the item (policy='{_without_state(policy)!s}')"
+    )
 
 
 def _without_state(policy: Policy) -> Policy:
