@@ -301,11 +301,6 @@ def test_a_subclass_of_a_supported_optimizer_is_refused() -> None:
         Trainer(mlp(), MyAdam(learning_rate=0.01), policy=SMALL)
 
 
-def test_bfloat16_state_is_still_refused_and_points_at_the_low_bit_formats() -> None:
-    with pytest.raises(WrapError, match="state=int8, int4 or fp8"):
-        Trainer(mlp(), "adam", policy="O3-bf16-kahan,state=bfloat16")
-
-
 @pytest.mark.parametrize("policy", ["O0", "O1-bf16", "O3-bf16-kahan", "O3-bf16-sr"])
 def test_every_float32_updating_strategy_takes_a_low_bit_state(policy: str) -> None:
     """float32 weights, float32 masters, and the compensated strategies' working masters."""
