@@ -114,16 +114,19 @@ def test_o2_bf16_saves_half_the_activation_bytes_of_float32_and_no_more_than_aut
 # ------------------------------------------------------------------ numerics
 
 
-def reference_o2(steps: int, lr: float = 1e-2) -> tuple[list[float], list[torch.Tensor]]:
+def reference_o2(
+    steps: int, kernel: dict[str, bool | None], lr: float = 1e-2
+) -> tuple[list[float], list[torch.Tensor]]:
     """O2-bf16 by hand: a bfloat16 copy of the model runs forward and backward on the
     bfloat16 cast of the batch, its gradients (widened exactly) drive AdamW on float32
-    masters, and the masters are rounded into the bfloat16 weights after each step."""
+    masters (with the ``kernel`` options wrap chose: fused, foreach), and the masters are
+    rounded into the bfloat16 weights after each step."""
     fp32 = block()
     model = copy.deepcopy(fp32).to(torch.bfloat16)
     masters = [p.detach().clone() for p in fp32.parameters()]
     for m in masters:
         m.requires_grad_(True)
-    opt = torch.optim.AdamW(masters, lr=lr, fused=True)
+    opt = torch.optim.AdamW(masters, lr=lr, **kernel)
     losses = []
     for step in range(steps):
         x, y = data(step)
@@ -141,8 +144,11 @@ def reference_o2(steps: int, lr: float = 1e-2) -> tuple[list[float], list[torch.
     return losses, masters
 
 
-def mixprec_o2(steps: int, lr: float = 1e-2) -> tuple[list[float], list[torch.Tensor], nn.Module]:
-    """The same steps through ``mpt.wrap(policy="O2-bf16")``, written as the benchmark's."""
+def mixprec_o2(
+    steps: int, lr: float = 1e-2
+) -> tuple[list[float], list[torch.Tensor], nn.Module, dict[str, bool | None]]:
+    """The same steps through ``mpt.wrap(policy="O2-bf16")``, written as the benchmark's;
+    also the AdamW kernel options the wrapped optimizer ran with."""
     model = block()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model, opt = mpt.wrap(model, opt, policy="O2-bf16")
@@ -155,15 +161,18 @@ def mixprec_o2(steps: int, lr: float = 1e-2) -> tuple[list[float], list[torch.Te
             scaled.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, list(mpt.master_params(opt)), model
+    group = opt.param_groups[0]
+    kernel = {"fused": group["fused"], "foreach": group["foreach"]}
+    return losses, list(mpt.master_params(opt)), model, kernel
 
 
 def test_o2_bf16_losses_and_weights_are_bit_identical_to_o2_by_hand() -> None:
     """Pins O2-bf16's numerics: whatever changes what is saved for backward must keep these
-    bits (a cast saved or recomputed, a copy dropped)."""
+    bits (a cast saved or recomputed, a copy dropped). The optimizer's kernel is wrap's
+    choice (not this test's subject), so the reference runs the one wrap chose."""
     steps = 4
-    want_losses, want_masters = reference_o2(steps)
-    losses, masters, model = mixprec_o2(steps)
+    losses, masters, model, kernel = mixprec_o2(steps)
+    want_losses, want_masters = reference_o2(steps, kernel)
     assert losses == want_losses
     assert len(set(losses)) == steps  # it trained: every step saw other weights or data
     for got, want in zip(masters, want_masters, strict=True):
