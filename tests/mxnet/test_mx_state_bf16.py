@@ -404,6 +404,18 @@ def test_a_float32_states_file_loads_rounded_to_nearest_and_back(
         for p in _named(codes._mixprec.net).values()
         for a in _state(codes, p)
     )
+    coded = str(tmp_path / "int8.states")  # and codes into bfloat16: decoded, then nearest
+    codes.save_states(coded)
+    decoded = {
+        n: [a.numpy() for a in _state(codes, p)] for n, p in _named(codes._mixprec.net).items()
+    }
+    again = Trainer(mlp(), "adam", {"learning_rate": 1e-3}, policy=POLICIES[strategy], seed=3)
+    again.load_states(coded)
+    for name, param in _named(again._mixprec.net).items():
+        for j, array in enumerate(_state(again, param)):
+            assert np.dtype(array.dtype) == BFLOAT16_NP
+            nearest = reference.round_to_bfloat16(decoded[name][j])
+            np.testing.assert_array_equal(_f32(array), nearest, f"{name} {j}")
 
 
 # ---------------------------------------------------------------------- refusals
