@@ -2,7 +2,11 @@
 
 The model is 150 × Linear(32, 32) with ReLU between them: 300 small float32 parameter tensors
 (weights and biases), batch 8, SGD with momentum. Parameters stay float32 in every contender,
-so each optimizer does the same arithmetic and only the scaling machinery differs:
+so each optimizer computes the same update, bit for bit, and only the scaling machinery and
+the implementation of the update differ: the SGD is built with ``foreach`` and ``fused`` left
+to torch, which on the CPU runs its per-tensor for-loop, and a wrapped optimizer runs torch's
+foreach SGD instead, whose CPU ops are the for-loop's own (``mixprec_torch.step.master_update``;
+the same bits in about 30 % less time on these 300 tensors):
 
 - ``plain step``: fp32 forward/backward, then ``opt.step()``.
 - ``GradScaler``: ``torch.autocast("cpu", float16)`` forward, ``scaler.scale(loss).backward()``,
@@ -139,7 +143,9 @@ def run(opts: Options) -> JobResult:
             f"added over the plain step (medians): GradScaler {fmt(extra_scaler)} ms, "
             f"mixprec O1 {fmt(extra_ours)} ms"
         )
-        if extra_scaler > 0:
+        if extra_ours < 0:  # its update runs torch's foreach SGD, the plain step the for-loop
+            line += " — below the plain step: mixprec runs torch's foreach SGD (the same bits)"
+        elif extra_scaler > 0:
             line += f" — {extra_ours / extra_scaler:.2f}× GradScaler's addition"
         lines.append(line)
     return JobResult(measurements, lines)
@@ -160,6 +166,8 @@ CASE = Case(
         "Each sample runs zero_grad and the forward untimed, then times the (scaled) backward "
         "and the optimizer-step portion separately with perf_counter. `step` = unscale + inf/nan "
         "check + SGD update + scale update (`scaler.step(opt); scaler.update()` for GradScaler, "
-        "`opt.step()` for mixprec and the plain loop). Parameters are float32 in all contenders."
+        "`opt.step()` for mixprec and the plain loop). Parameters are float32 in all contenders. "
+        "The SGD leaves foreach/fused to torch: the plain step and GradScaler run torch's "
+        "per-tensor for-loop on the CPU, mixprec its foreach SGD (the same bits)."
     ),
 )
