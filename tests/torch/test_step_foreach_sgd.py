@@ -20,6 +20,7 @@ import torch.optim.sgd as torch_sgd  # noqa: E402
 from _torch_nets import same  # noqa: E402
 from torch import nn  # noqa: E402
 
+import mixprec  # noqa: E402
 import mixprec.torch as mpt  # noqa: E402
 from mixprec_torch.step import master_update  # noqa: E402
 
@@ -270,3 +271,43 @@ def test_the_groups_foreach_is_none_again_even_when_the_step_raises(
     with pytest.raises(RuntimeError, match="boom"):
         opt.step()
     assert opt.param_groups[0]["foreach"] is None
+
+
+@pytest.mark.parametrize("policy", ["O2", "O2-bf16"])
+def test_float32_masters_step_the_same_with_and_without_foreach(
+    spy: Spy, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """Under O2 the SGD updates mixprec's float32 masters: the model's half-precision weights
+    and the masters come out the same with the foreach SGD as with the for-loop."""
+    from mixprec_torch.step import protocol
+
+    # a scale the float16 gradients hold: every step is taken
+    overrides = {"loss_scale": mixprec.DynamicScale(init=16.0)} if policy == "O2" else {}
+
+    def train() -> list[Any]:
+        model = Params()
+        model, opt = mpt.wrap(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
+            policy=policy,
+            **overrides,
+        )
+        for step in range(STEPS):
+            opt.zero_grad()
+            with mpt.scale_loss(model.loss(gradients(step)), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        masters = mpt.master_params(opt)
+        return [
+            [p.detach().clone() for p in model.parameters()],
+            [m.detach().clone() for m in masters],
+            [opt.state[m]["momentum_buffer"] for m in masters],
+        ]
+
+    routed = train()
+    assert spy.calls == {"for-loop": 0, "foreach": STEPS}
+    monkeypatch.setattr(protocol, "foreach_sgd_elements", lambda optimizer: 0)
+    looped = train()
+    assert spy.calls == {"for-loop": STEPS, "foreach": STEPS}
+    assert routed[0][0].dtype != torch.float32  # the model's own weights are half precision
+    assert same(routed, looped)
