@@ -12,6 +12,7 @@ magnitude and make a resumed run differ from an uninterrupted one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ __all__ = [
     "dtype_name",
     "dtype_of",
     "is_floating",
+    "map_arrays",
     "mx_dtype",
     "mx_type_code",
 ]
@@ -128,3 +130,13 @@ def default_layout(array: nd.NDArray) -> nd.NDArray:
     not per step.
     """
     return array.copy()
+
+
+def map_arrays(state: Any, fn: Callable[[int, Any], Any]) -> Any:
+    """An MXNet optimizer's per-parameter state (``updater.states[index]``: an array, a tuple
+    or list of them, or None) with ``fn(position, array)`` applied to each of its arrays;
+    None stays None, a tuple stays a tuple."""
+    if isinstance(state, (tuple, list)):
+        items = [fn(i, a) for i, a in enumerate(state)]
+        return tuple(items) if isinstance(state, tuple) else items
+    return state if state is None else fn(0, state)

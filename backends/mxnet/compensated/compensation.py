@@ -79,7 +79,7 @@ bfloat16 arrays of a file exactly (:func:`widened`: the way back to float32).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mxnet as mx
@@ -90,7 +90,7 @@ from mxnet import gluon, nd
 from mixprec.errors import CheckpointError
 from mixprec.kit import BFLOAT16, FLOAT32, KAHAN
 
-from ..dtypes import BFLOAT16_NP, cast, cast_into, dtype_name
+from ..dtypes import BFLOAT16_NP, cast, cast_into, dtype_name, map_arrays
 
 __all__ = [
     "Compensation",
@@ -287,15 +287,6 @@ def is_bfloat16(array: Any) -> bool:
     return isinstance(array, nd.NDArray) and np.dtype(array.dtype) == BFLOAT16_NP
 
 
-def _each(state: Any, fn: Callable[[int, Any], Any]) -> Any:
-    """``state`` with ``fn(position, array)`` applied to each of its arrays (an array, or a
-    tuple or list of them; anything else stays)."""
-    if isinstance(state, (tuple, list)):
-        items = [fn(i, a) for i, a in enumerate(state)]
-        return tuple(items) if isinstance(state, tuple) else items
-    return state if state is None else fn(0, state)
-
-
 def widened(state: Any, ctx: mx.Context | None = None) -> Any:
     """``state`` with every bfloat16 NDArray widened exactly into a float32 one (on ``ctx``,
     default the array's context); other arrays stay."""
@@ -308,7 +299,7 @@ def widened(state: Any, ctx: mx.Context | None = None) -> Any:
         wide = nd.Cast(array, dtype=_F32)
         return wide if ctx is None or wide.context == ctx else wide.as_in_context(ctx)
 
-    return _each(state, widen)
+    return map_arrays(state, widen)
 
 
 def _rounds(array: Any, shape: Sequence[int]) -> bool:
@@ -404,7 +395,7 @@ class StateRounding:
                     values = round_stochastic(array.asnumpy(), noise)
                     rounded[j][position] = _bfloat16(values, weight.context)
             for (updater, _), state, new in zip(held, states, rounded, strict=True):
-                updater.states[index] = _each(state, new.get)
+                updater.states[index] = map_arrays(state, new.get)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -418,13 +409,13 @@ class StateRounding:
         def narrow(_: int, array: Any) -> Any:
             return cast(array, BFLOAT16) if _rounds(array, shape) else array
 
-        return _each(state, narrow)
+        return map_arrays(state, narrow)
 
 
 def _positions(state: Any, shape: Sequence[int]) -> list[int]:
     """The positions of ``state``'s arrays kept in bfloat16: float32 ones of ``shape``."""
     found: list[int] = []
-    _each(state, lambda p, a: found.append(p) if _rounds(a, shape) else None)
+    map_arrays(state, lambda p, a: found.append(p) if _rounds(a, shape) else None)
     return found
 
 

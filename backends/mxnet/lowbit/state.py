@@ -38,7 +38,7 @@ every code it loads).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mxnet as mx
@@ -49,6 +49,7 @@ from mxnet import nd
 from mixprec.errors import CheckpointError, PolicyError, WrapError
 from mixprec.kit import StateFormat, parse_state_format
 
+from ..dtypes import map_arrays
 from .codec import block_count, code_count, dequantize, quantize, tables
 
 __all__ = [
@@ -186,15 +187,6 @@ class LowBitArray:
         return f"<LowBitArray {self.tag} {kind} {self.shape} @{self.context}>"
 
 
-def _each(state: Any, fn: Callable[[int, Any], Any]) -> Any:
-    """``state`` with ``fn(position, array)`` applied to each of its arrays (an array, or a
-    tuple or list of them; anything else stays)."""
-    if isinstance(state, (tuple, list)):
-        items = [fn(i, a) for i, a in enumerate(state)]
-        return tuple(items) if isinstance(state, tuple) else items
-    return state if state is None else fn(0, state)
-
-
 def _holds_codes(state: Any) -> bool:
     if isinstance(state, (tuple, list)):
         return any(isinstance(a, LowBitArray) for a in state)
@@ -204,7 +196,7 @@ def _holds_codes(state: Any) -> bool:
 def decoded(state: Any, ctx: mx.Context | None = None) -> Any:
     """``state`` with every :class:`LowBitArray` decoded into a float32 NDArray (on ``ctx``,
     default the codes' context)."""
-    return _each(state, lambda _, a: a.decode(ctx) if isinstance(a, LowBitArray) else a)
+    return map_arrays(state, lambda _, a: a.decode(ctx) if isinstance(a, LowBitArray) else a)
 
 
 def state_bytes(states: dict[Any, Any]) -> int:
@@ -220,7 +212,7 @@ def state_bytes(states: dict[Any, Any]) -> int:
         return array
 
     for state in states.values():
-        _each(state, count)
+        map_arrays(state, count)
     return total
 
 
@@ -272,7 +264,7 @@ class LowBitState:
             values = array.asnumpy()
             return LowBitArray.encode(values, self.fmt, self.layout[position], ctx or array.context)
 
-        return _each(state, encode)
+        return map_arrays(state, encode)
 
     # ------------------------------------------------------------------ the step
 
@@ -346,7 +338,7 @@ def _finite(state: Any) -> bool:
             ok = array.finite()
         return array
 
-    _each(state, check)
+    map_arrays(state, check)
     return ok
 
 
