@@ -80,6 +80,19 @@ def train_step(net: Any, trainer: Any, x: Any, y: Any, loss_fn: Any, inject: boo
     return float(cast(loss.mean(), "float32").asscalar())
 
 
+def train_replicas(net: Any, trainer: Any, contexts: list[Any], steps: int = 3) -> None:
+    """``steps`` data-parallel steps on one fixed batch split over ``contexts`` (an L2 loss
+    per replica, backward without loss scaling: the bfloat16 policies have none)."""
+    l2 = gluon.loss.L2Loss()
+    x, y = batch(n=8)
+    xs, ys = gluon.utils.split_and_load(x, contexts), gluon.utils.split_and_load(y, contexts)
+    for _ in range(steps):
+        with autograd.record():
+            losses = [l2(net(a).astype("float32"), b) for a, b in zip(xs, ys, strict=True)]
+        autograd.backward(losses)
+        trainer.step(8)
+
+
 def values(net: Any, ctx: Any = None) -> dict[str, np.ndarray]:
     """Every parameter as float32 numpy, by structural name ("0.weight")."""
     return {

@@ -14,7 +14,15 @@ import pytest
 mx = pytest.importorskip("mxnet")
 reference = pytest.importorskip("mixprec_numpy.compensation")
 
-from _mx_nets import array, batch, master_values, mlp, rewrite_states, values  # noqa: E402
+from _mx_nets import (  # noqa: E402
+    array,
+    batch,
+    master_values,
+    mlp,
+    rewrite_states,
+    train_replicas,
+    values,
+)
 from mxnet import autograd, gluon  # noqa: E402
 
 from mixprec.errors import CheckpointError, PolicyError, WrapError  # noqa: E402
@@ -225,13 +233,7 @@ def test_replicas_on_two_contexts_stay_equal(policy: str) -> None:
     contexts = [mx.cpu(0), mx.cpu(1)]
     net = mlp(ctx=contexts)
     trainer = Trainer(net, "adam", {"learning_rate": 1e-3}, policy=policy, kvstore="device")
-    x, y = batch(n=8)
-    xs, ys = gluon.utils.split_and_load(x, contexts), gluon.utils.split_and_load(y, contexts)
-    for _ in range(3):
-        with autograd.record():
-            losses = [L2(net(a).astype("float32"), b) for a, b in zip(xs, ys, strict=True)]
-        autograd.backward(losses)
-        trainer.step(8)
+    train_replicas(net, trainer, contexts)
     for key, value in values(net, contexts[0]).items():
         np.testing.assert_array_equal(values(net, contexts[1])[key], value, err_msg=key)
 

@@ -16,7 +16,7 @@ import pytest
 mx = pytest.importorskip("mxnet")
 reference = pytest.importorskip("mixprec_numpy.compensation")
 
-from _mx_nets import batch, cnn, mlp, values  # noqa: E402
+from _mx_nets import batch, cnn, mlp, train_replicas, values  # noqa: E402
 from mxnet import autograd, gluon, nd  # noqa: E402
 
 from mixprec.errors import PolicyError  # noqa: E402
@@ -284,13 +284,7 @@ def test_replicas_on_two_contexts_keep_equal_bfloat16_state(strategy: str) -> No
     contexts = [mx.cpu(0), mx.cpu(1)]
     net = mlp(ctx=contexts)
     trainer = Trainer(net, "adam", {"learning_rate": 1e-3}, policy=POLICIES[strategy])
-    x, y = batch(n=8)
-    xs, ys = gluon.utils.split_and_load(x, contexts), gluon.utils.split_and_load(y, contexts)
-    for _ in range(3):
-        with autograd.record():
-            losses = [L2(net(a).astype("float32"), b) for a, b in zip(xs, ys, strict=True)]
-        autograd.backward(losses)
-        trainer.step(8)
+    train_replicas(net, trainer, contexts)
     first, second = trainer._updaters
     assert first.states.keys() == second.states.keys() and first.states
     for index, state in first.states.items():
